@@ -1,0 +1,53 @@
+"""The torch backend: the reference path and the fast CPU path; runs unchanged on CUDA."""
+
+from __future__ import annotations
+
+import torch
+
+from ..nvfp4 import NVFP4Tensor, dequantize
+
+
+class TorchBackend:
+    """Dequantizes the packed weight tile by tile and multiplies each tile at once.
+
+    `tile_size` is the number of weight rows (forward) or columns (input gradient) dequantized at a time;
+    `None` dequantizes the whole weight in one transient tile. Tiles never outlive the call.
+    Forward tiles split the output features and input-gradient tiles split the input features, never the
+    reduction. One tile equals a dense matmul against `deq(W)` bit for bit; smaller tiles agree with it up to
+    the accumulation order the BLAS kernel picks for each tile shape.
+    """
+
+    name = "torch"
+
+    def __init__(self, tile_size: int | None = None):
+        if tile_size is not None and (not isinstance(tile_size, int) or tile_size <= 0 or tile_size % 16):
+            raise ValueError(f"tile_size must be None or a positive multiple of 16; got {tile_size!r}.")
+        self.tile_size = tile_size
+
+    def prepare(self, weight: NVFP4Tensor) -> NVFP4Tensor:
+        return weight
+
+    def forward(self, x: torch.Tensor, handle: NVFP4Tensor) -> torch.Tensor:
+        n, k = handle.shape
+        tile = self.tile_size or n
+        if tile >= n:
+            return x @ dequantize(handle.qdata, handle.scale, handle.scale_2, x.dtype).t()
+        out = x.new_empty(*x.shape[:-1], n)
+        for n0 in range(0, n, tile):
+            rows = slice(n0, n0 + tile)
+            w = dequantize(handle.qdata[rows], handle.scale[rows], handle.scale_2, x.dtype)
+            out[..., rows] = x @ w.t()
+        return out
+
+    def input_grad(self, dy: torch.Tensor, handle: NVFP4Tensor) -> torch.Tensor:
+        n, k = handle.shape
+        tile = self.tile_size or k
+        if tile >= k:
+            return dy @ dequantize(handle.qdata, handle.scale, handle.scale_2, dy.dtype)
+        out = dy.new_empty(*dy.shape[:-1], k)
+        for k0 in range(0, k, tile):
+            cols = slice(k0, k0 + tile)
+            packed, scales = slice(k0 // 2, (k0 + tile) // 2), slice(k0 // 16, (k0 + tile) // 16)
+            w = dequantize(handle.qdata[:, packed], handle.scale[:, scales], handle.scale_2, dy.dtype)
+            out[..., cols] = dy @ w
+        return out

@@ -1,0 +1,3 @@
+from .linear import FrozenLinear, FrozenProduct
+
+__all__ = ["FrozenLinear", "FrozenProduct"]

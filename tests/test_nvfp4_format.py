@@ -1,0 +1,117 @@
+"""NVFP4 numerics at three levels: exact bit tables, exact equality with torchao, SQNR."""
+
+import pytest
+import torch
+
+from optimum_pact.nvfp4 import (
+    E2M1_VALUES,
+    dequantize_reference,
+    float_to_e2m1,
+    pack_e2m1,
+    quantize,
+    unpack_e2m1,
+)
+
+torchao_nvfp4 = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
+
+
+@pytest.mark.parametrize(
+    "value, code",
+    [
+        (0.0, 0), (0.25, 0), (0.2500001, 1), (0.5, 1), (0.75, 2), (1.0, 2), (1.25, 2), (1.2500001, 3),
+        (1.5, 3), (1.75, 4), (2.0, 4), (2.5, 4), (2.5000002, 5), (3.0, 5), (3.5, 6), (4.0, 6), (5.0, 6),
+        (5.0000005, 7), (6.0, 7), (-0.0, 8), (-0.1, 8), (-0.25, 8), (-0.75, 10), (-1.75, 12), (-5.0, 14), (-6.0, 15),
+    ],
+)  # fmt: skip
+def test_e2m1_rounding_ties_to_even(value, code):
+    assert float_to_e2m1(torch.tensor([value])).item() == code
+
+
+def test_e2m1_table_round_trips():
+    values = torch.tensor(E2M1_VALUES)
+    assert float_to_e2m1(values).tolist() == list(range(16))
+
+
+def test_pack_low_nibble_first():
+    codes = torch.tensor([[1, 2, 3, 4, 15, 0]], dtype=torch.uint8)
+    packed = pack_e2m1(codes)
+    assert packed.tolist() == [[0x21, 0x43, 0x0F]]
+    assert torch.equal(unpack_e2m1(packed), codes)
+
+
+def _torchao(weight):
+    scale_2 = torchao_nvfp4.per_tensor_amax_to_scale(weight.abs().max())
+    scale, qdata = torchao_nvfp4.nvfp4_quantize(weight, 16, scale_2)
+    return qdata, scale, scale_2
+
+
+@pytest.mark.parametrize("shape", [(32, 64), (96, 576), (7, 1536)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_matches_torchao_bit_for_bit(shape, dtype):
+    torch.manual_seed(sum(shape))
+    weight = (torch.randn(shape) * torch.rand(shape[0], 1) * 4).to(dtype)
+    q = quantize(weight)
+    qdata, scale, scale_2 = _torchao(weight)
+    assert torch.equal(q.qdata, qdata)
+    assert torch.equal(q.scale.view(torch.uint8), scale.view(torch.uint8))
+    assert torch.equal(q.scale_2, scale_2.float())
+    # torchao dequantizes as (E2M1 * scale) * scale_2; ours must be the same values exactly
+    expected = (torch.tensor(E2M1_VALUES)[unpack_e2m1(qdata).long()].reshape(shape[0], -1, 16)
+                * scale.float().unsqueeze(-1) * scale_2).reshape(shape)  # fmt: skip
+    assert torch.equal(q.dequantize(torch.float32), expected)
+
+
+def test_layout_and_dtypes():
+    q = quantize(torch.randn(48, 64))
+    assert q.qdata.dtype == torch.uint8 and q.qdata.shape == (48, 32)
+    assert q.scale.dtype == torch.float8_e4m3fn and q.scale.shape == (48, 4)
+    assert q.scale_2.dtype == torch.float32 and q.scale_2.shape == ()
+    assert q.shape == (48, 64)
+    assert q.nbytes == 48 * 32 + 48 * 4 + 4
+
+
+def test_all_zero_blocks_and_all_zero_weight():
+    w = torch.randn(4, 64)
+    w[1] = 0
+    w[2, 16:32] = 0
+    q = quantize(w)
+    deq = q.dequantize()
+    assert torch.equal(deq[1], torch.zeros(64)) and torch.equal(deq[2, 16:32], torch.zeros(16))
+    assert torch.equal(quantize(torch.zeros(16, 32)).dequantize(), torch.zeros(16, 32))
+
+
+def test_block_with_one_huge_outlier():
+    torch.manual_seed(0)
+    w = torch.randn(8, 64) * 1e-2
+    w[3, 5] = 1e4
+    q = quantize(w)
+    qdata, scale, _ = _torchao(w)
+    assert torch.equal(q.qdata, qdata) and torch.equal(q.scale.view(torch.uint8), scale.view(torch.uint8))
+    deq = q.dequantize()
+    assert deq[3, 5].item() == pytest.approx(1e4, rel=1e-6)  # the outlier itself is exact up to fp32 rounding
+    assert torch.isfinite(deq).all()
+    others = torch.ones_like(w, dtype=torch.bool)
+    others[3] = False
+    # tiny blocks get the smallest normal e4m3 scale: still finite, and error bounded by that scale
+    assert (deq[others] - w[others]).abs().max() <= 6 * 2**-6 * q.scale_2
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_input_is_a_clear_error(bad):
+    w = torch.randn(4, 32)
+    w[1, 3] = bad
+    with pytest.raises(ValueError, match="NaN or inf"):
+        quantize(w)
+
+
+def test_in_features_not_multiple_of_16_is_a_clear_error():
+    with pytest.raises(ValueError, match="multiple of 16.*exclude it from target_modules"):
+        quantize(torch.randn(4, 40))
+
+
+def test_sqnr_gaussian_weight():
+    torch.manual_seed(0)
+    w = torch.randn(256, 512)
+    deq = dequantize_reference(*(lambda q: (q.qdata, q.scale, q.scale_2))(quantize(w)))
+    sqnr = 10 * torch.log10(w.pow(2).sum() / (w - deq).pow(2).sum()).item()
+    assert sqnr > 19.5, f"NVFP4 SQNR {sqnr:.2f} dB for a 256x512 N(0,1) weight; expected > 19.5 dB"

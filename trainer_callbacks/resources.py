@@ -1,0 +1,45 @@
+"""Peak memory and throughput, reported with the Trainer's metrics."""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+
+from transformers import TrainerCallback
+
+
+def peak_rss_bytes() -> int:
+    """The process's resident-memory high-water mark (VmHWM on Linux)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
+
+
+class ResourceReportCallback(TrainerCallback):
+    """Measures peak memory and throughput since training began; `PactTrainer.log` adds them to every log."""
+
+    def __init__(self):
+        self._start = None
+        self._start_step = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._start, self._start_step = time.perf_counter(), state.global_step
+
+    @property
+    def started(self) -> bool:
+        return self._start is not None
+
+    def metrics(self, state) -> dict:
+        elapsed = time.perf_counter() - self._start if self._start else 0.0
+        steps = state.global_step - self._start_step
+        return {
+            "peak_rss_gib": round(peak_rss_bytes() / 2**30, 3),
+            "train_steps_per_second_measured": round(steps / elapsed, 4) if elapsed > 0 else 0.0,
+        }
