@@ -117,3 +117,22 @@ def test_upstream_custom_module_hook_still_dispatches():
     assert config._custom_modules and torch.nn.Linear in config._custom_modules
     model = get_peft_model(tiny_model(), config)
     assert isinstance(model.base_model.model.model.layers[0].self_attn.q_proj, PactLoraLinear)
+
+
+def test_pact_config_on_a_model_loaded_through_the_quantizer(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from optimum_pact.quantizer import PactQuantizationConfig
+
+    tiny_model().save_pretrained(tmp_path / "base")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=PactQuantizationConfig())
+    packed = {n: m.weight.clone() for n, m in model.named_modules() if isinstance(m, FrozenLinear)}
+    # peft's "all-linear" shorthand matches nn.Linear only: name the projections for a pre-quantized model
+    names = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(model, PactConfig(r=4, target_modules=names))
+    wrapped = {n: m for n, m in model.named_modules() if isinstance(m, PactLoraLinear)}
+    assert len(wrapped) == len(packed) == 14
+    for name, layer in wrapped.items():  # the loaded NVFP4 weight is reused as is, not quantized twice
+        assert torch.equal(layer.get_base_layer().weight, packed[name.removeprefix("base_model.model.")])
+    losses = _train(model, steps=20)
+    assert losses[-1] < losses[0] - 0.5
