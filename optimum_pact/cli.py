@@ -1,0 +1,47 @@
+"""`pact` console script. `pact finetune` with no arguments runs the main job on the embedded model and data."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _finetune_parser(sub) -> None:
+    p = sub.add_parser("finetune", help="LoRA fine-tune with an NVFP4 data-flow base (default: built-in model+data)")
+    p.add_argument("--model", help="model folder or Hub id (default: SmolLM2-135M-Instruct, fetched once)")
+    p.add_argument("--data", help="JSONL file of {'text': ..., 'label': ...} items (default: built-in notes)")
+    p.add_argument("--output", default="pact-output", help="where the adapter and summary.json go")
+    p.add_argument("--backend", default="torch", help="backend for the frozen-weight products")
+    p.add_argument("--r", type=int, default=8, help="LoRA rank")
+    p.add_argument("--lora-alpha", type=int, default=16, help="LoRA alpha")
+    p.add_argument("--learning-rate", type=float, default=2e-3)
+    p.add_argument("--epochs", type=float, default=2.0)
+    p.add_argument("--max-steps", type=int, default=-1, help="stop after this many steps (overrides --epochs)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="compute dtype")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pact", description="PACT: on-device LoRA fine-tuning.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _finetune_parser(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+    if args.command == "finetune":
+        from .finetune import finetune
+
+        kwargs = {k: v for k, v in vars(args).items() if k != "command"}
+        try:
+            summary = finetune(**kwargs)
+        except (FileNotFoundError, ValueError, TypeError) as err:
+            print(f"pact finetune: error: {err}", file=sys.stderr)
+            return 2
+        print(summary.render())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
