@@ -1,0 +1,223 @@
+/* NVFP4 -> fp32 / bf16 / fp16 dequantizer for CPUs, bit-exact with optimum_pact.nvfp4.format.dequantize_reference.
+ *
+ * Plain C11 (no torch headers), built by kernels.py with `cc -O3 -march=native -fopenmp -shared -fPIC
+ * -ffp-contract=off` (no -ffast-math: denormals must be kept) and called through ctypes (which releases the GIL)
+ * with raw pointers and row strides; the last dimension of every array is contiguous.
+ *
+ * Layout: qdata uint8 [n, k/2] (element 2i in the LOW nibble of byte i), scale e4m3 [n, k/16], scale_2 fp32.
+ * Value: fp32(fp32(E2M1[code] * fp32(scale)) * scale_2), then rounded to nearest even into the output dtype.
+ *
+ * Design: a block's 16 outputs depend only on its scale BYTE (scale_2 is per tensor). So each call first builds
+ * the table of all 256 x 16 possible outputs, already in the output dtype (8 KiB bf16/fp16, 16 KiB fp32: stays in
+ * L1), with the reference's own operations. Dequantizing is then pure look-up: with AVX-512, two blocks' 16-entry
+ * rows form one 32-word table and a single vpermw turns 16 packed bytes into 32 bf16/fp16 values (vpermps and 16
+ * values per block for fp32). The portable path does the same look-ups one element at a time.
+ *
+ * Threads: an OpenMP team whose threads claim chunks of rows; see run() for how it copes with a busy machine.
+ */
+#define _POSIX_C_SOURCE 200809L /* clock_gettime */
+#include <stdatomic.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define PACT_AVX512 1
+#endif
+
+enum { OUT_F32 = 0, OUT_BF16 = 1, OUT_F16 = 2 };
+
+static const float E2M1[16] = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,  4.0f,  6.0f,
+                               -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+static inline uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* e4m3fn byte -> fp32: sign 1, exponent 4 (bias 7), mantissa 3; exponent 0 is subnormal (m * 2^-9).
+ * 0x7F / 0xFF are NaN in e4m3fn; valid NVFP4 data never holds them (their table rows are never read). */
+static float e4m3_to_f32(uint8_t b) {
+    uint32_t sign = (uint32_t)(b >> 7) << 31, e = (b >> 3) & 0xF, m = b & 7;
+    if (e == 0) return bits_f32(f32_bits((float)m * 0x1p-9f) | sign);
+    return bits_f32(sign | ((e + 120) << 23) | (m << 20));
+}
+
+/* fp32 -> bf16, round to nearest even, keeping denormals (as torch does); inputs are never NaN here. */
+static uint16_t f32_to_bf16(float f) {
+    uint32_t x = f32_bits(f);
+    return (uint16_t)((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16);
+}
+
+/* fp32 -> IEEE fp16, round to nearest even, with fp16 subnormals and overflow to inf. */
+static uint16_t f32_to_f16(float f) {
+    uint32_t x = f32_bits(f), sign = (x >> 16) & 0x8000u, e;
+    x &= 0x7FFFFFFFu;
+    if (x >= 0x7F800000u) return (uint16_t)(sign | 0x7C00u | (x > 0x7F800000u ? 0x200u : 0u));
+    if (x >= 0x477FF000u) return (uint16_t)(sign | 0x7C00u); /* >= 65520 rounds to inf */
+    if (x >= 0x38800000u) {                                    /* fp16 normal: drop 13 mantissa bits, RNE */
+        x += 0xFFFu + ((x >> 13) & 1u);
+        return (uint16_t)(sign | ((x - 0x38000000u) >> 13));
+    }
+    e = x >> 23; /* fp16 subnormal: round (mantissa with implicit bit) >> shift, in units of 2^-24 */
+    if (e < 102) return (uint16_t)sign;
+    {
+        uint32_t m = (x & 0x7FFFFFu) | 0x800000u, shift = 126 - e, q = m >> shift;
+        uint32_t rem = m & ((1u << shift) - 1u), half = 1u << (shift - 1);
+        q += (rem > half) || (rem == half && (q & 1u));
+        return (uint16_t)(sign | q);
+    }
+}
+
+/* One row, portable code: out[j] = table[scale byte][code]. */
+static inline __attribute__((always_inline)) void row_scalar(const uint8_t *q, const uint8_t *s, const void *table,
+                                                             int64_t nblocks, void *out, int dtype) {
+    for (int64_t b = 0; b < nblocks; b++) {
+        if (dtype == OUT_F32) {
+            const float *t = (const float *)table + 16 * s[b];
+            float *o = (float *)out + b * 16;
+            for (int i = 0; i < 8; i++) o[2 * i] = t[q[b * 8 + i] & 0xF], o[2 * i + 1] = t[q[b * 8 + i] >> 4];
+        } else {
+            const uint16_t *t = (const uint16_t *)table + 16 * s[b];
+            uint16_t *o = (uint16_t *)out + b * 16;
+            for (int i = 0; i < 8; i++) o[2 * i] = t[q[b * 8 + i] & 0xF], o[2 * i + 1] = t[q[b * 8 + i] >> 4];
+        }
+    }
+}
+
+#ifdef PACT_AVX512
+/* One row with AVX-512 (F + BW). */
+static inline __attribute__((always_inline)) void row_avx512(const uint8_t *q, const uint8_t *s, const void *table,
+                                                             int64_t nblocks, void *out, int dtype) {
+    int64_t b = 0;
+    if (dtype == OUT_F32) {
+        /* 8 bytes -> 16 dword indices (each byte twice, odd lanes shifted right by 4): vpermps reads only the low
+         * 4 bits of an index, so even lanes take the low nibble and odd lanes the high one */
+        const __m512i shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+        for (; b < nblocks; b++) {
+            __m128i bytes = _mm_loadl_epi64((const __m128i *)(q + b * 8));
+            __m512i idx = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, bytes)), shifts);
+            __m512 row = _mm512_loadu_ps((const float *)table + 16 * s[b]);
+            _mm512_storeu_ps((float *)out + b * 16, _mm512_permutexvar_ps(idx, row));
+        }
+        return;
+    }
+    /* bf16 / fp16, two blocks at a time: 16 bytes -> 32 word indices into [row of block b, row of block b+1].
+     * Dword i = byte i; (d | d << 12) & 0x000F000F puts its low nibble in word 2i and its high nibble in word 2i+1;
+     * the second block's words get +16. */
+    const __m512i nibbles = _mm512_set1_epi32(0x000F000F);
+    const __m512i second = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0x100010, 0x100010, 0x100010, 0x100010,
+                                             0x100010, 0x100010, 0x100010, 0x100010);
+    const uint16_t *t = (const uint16_t *)table;
+    for (; b + 1 < nblocks; b += 2) {
+        __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + b * 8)));
+        __m512i idx = _mm512_or_si512(_mm512_and_si512(_mm512_or_si512(d, _mm512_slli_epi32(d, 12)), nibbles), second);
+        __m512i rows = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(t + 16 * s[b]))),
+                                          _mm256_loadu_si256((const __m256i *)(t + 16 * s[b + 1])), 1);
+        _mm512_storeu_si512((uint16_t *)out + b * 16, _mm512_permutexvar_epi16(idx, rows));
+    }
+    if (b < nblocks) row_scalar(q + b * 8, s + b, table, nblocks - b, (uint16_t *)out + b * 16, dtype);
+}
+#endif
+
+/* A call's work: rows [0, n) in chunks of ~16K elements, claimed by the threads through `next`. */
+typedef struct {
+    const uint8_t *qdata, *scale;
+    const void *table;
+    void *out;
+    int64_t q_stride, s_stride, n, k, chunk, nchunks;
+    int dtype, scalar;
+    atomic_llong next; /* the next chunk to claim */
+} job_t;
+
+static void work(job_t *j) {
+    const int64_t nblocks = j->k / 16, esize = j->dtype == OUT_F32 ? 4 : 2;
+    for (;;) {
+        const int64_t c = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
+        if (c >= j->nchunks) return;
+        for (int64_t r = c * j->chunk; r < j->n && r < (c + 1) * j->chunk; r++) {
+            const uint8_t *q = j->qdata + r * j->q_stride, *s = j->scale + r * j->s_stride;
+            void *o = (char *)j->out + r * j->k * esize;
+#ifdef PACT_AVX512
+            if (!j->scalar) {
+                if (j->dtype == OUT_F32) row_avx512(q, s, j->table, nblocks, o, OUT_F32);
+                else row_avx512(q, s, j->table, nblocks, o, OUT_BF16); /* bf16 and fp16 differ only in the table */
+                continue;
+            }
+#endif
+            if (j->dtype == OUT_F32) row_scalar(q, s, j->table, nblocks, o, OUT_F32);
+            else row_scalar(q, s, j->table, nblocks, o, OUT_BF16);
+        }
+    }
+}
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* Calls run on one thread until this time (ns): a recent team waited too long for one of its threads. */
+static atomic_llong solo_until;
+
+/* Run a job on an OpenMP team (the runtime torch's CPU ops use, so its threads are usually awake and start at once)
+ * whose threads claim chunks. A team cannot finish before all its threads have turned up, and on a machine shared
+ * with other work a thread may wait milliseconds for a core: measured on 2 busy cores, 5 ms for a 0.1 ms job,
+ * which doubled a linear layer's training step. So when a thread turns up more than 200 us late, the calls of the
+ * next second run on one thread (no team, no wait), then a team is tried again. */
+static void run(job_t *j, int nthreads) {
+    const int64_t start = now_ns();
+    atomic_llong latest;
+    atomic_init(&latest, start);
+    if (nthreads > 1 && start < atomic_load_explicit(&solo_until, memory_order_relaxed)) nthreads = 1;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        int64_t seen = atomic_load_explicit(&latest, memory_order_relaxed), arrival = now_ns();
+        while (arrival > seen && !atomic_compare_exchange_weak(&latest, &seen, arrival)) {
+        }
+        work(j);
+    }
+    if (nthreads > 1 && atomic_load(&latest) - start > 200000)
+        atomic_store_explicit(&solo_until, now_ns() + 1000000000, memory_order_relaxed);
+}
+
+/* Whether this build has the AVX-512 path (for tests and diagnostics). */
+int pact_nvfp4_has_avx512(void) {
+#ifdef PACT_AVX512
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Dequantize n rows of k elements (k % 16 == 0) into a contiguous [n, k] output; strides are in elements.
+ * dtype: 0 fp32, 1 bf16, 2 fp16. scalar != 0 forces the portable path. nthreads: threads to use.
+ * Returns 0, or -1 on bad arguments. */
+int pact_nvfp4_dequantize(const uint8_t *qdata, int64_t q_stride, const uint8_t *scale, int64_t s_stride,
+                          float scale_2, int64_t n, int64_t k, void *out, int dtype, int scalar, int nthreads) {
+    float t32[256 * 16] __attribute__((aligned(64))), sc[256];
+    uint16_t t16[256 * 16] __attribute__((aligned(64)));
+    if (k <= 0 || k % 16 || n < 0 || nthreads < 1 || dtype < 0 || dtype > 2) return -1;
+    /* every value a block can take: the reference's two fp32 multiplies, then the output rounding
+     * (plain loops the compiler vectorizes: the whole table costs about a microsecond) */
+    for (int byte = 0; byte < 256; byte++) sc[byte] = e4m3_to_f32((uint8_t)byte);
+    for (int byte = 0; byte < 256; byte++)
+        for (int c = 0; c < 16; c++) t32[byte * 16 + c] = (E2M1[c] * sc[byte]) * scale_2;
+    if (dtype == OUT_BF16)
+        for (int i = 0; i < 256 * 16; i++) t16[i] = f32_to_bf16(t32[i]);
+    if (dtype == OUT_F16) {
+        int i = 0;
+#ifdef PACT_AVX512
+        for (; !scalar && i < 256 * 16; i += 16) /* vcvtps2ph: the same rounding, 16 at a time */
+            _mm256_store_si256((__m256i *)(t16 + i), _mm512_cvtps_ph(_mm512_load_ps(t32 + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+        for (; i < 256 * 16; i++) t16[i] = f32_to_f16(t32[i]);
+    }
+    job_t j;
+    memset(&j, 0, sizeof j);
+    j.qdata = qdata, j.scale = scale, j.out = out, j.table = dtype == OUT_F32 ? (void *)t32 : (void *)t16;
+    j.q_stride = q_stride, j.s_stride = s_stride, j.n = n, j.k = k, j.dtype = dtype, j.scalar = scalar;
+    j.chunk = k >= 16384 ? 1 : 16384 / k; /* chunks of ~16K elements */
+    j.nchunks = (n + j.chunk - 1) / j.chunk;
+    atomic_init(&j.next, 0);
+    run(&j, n * (k / 16) >= 4096 ? nthreads : 1); /* below ~64K elements a second thread costs more than it saves */
+    return 0;
+}

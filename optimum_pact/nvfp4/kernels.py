@@ -1,0 +1,186 @@
+"""Fast NVFP4 dequantization, bit-exact with `format.dequantize_reference`.
+
+CPU tensors go through a small C kernel (`csrc/dequant.c`) compiled on first use with the system C compiler and
+cached under `$PACT_CACHE/kernels` (default `~/.cache/optimum_pact/kernels`), keyed by a hash of the source, the
+compiler, its flags and the machine. Other devices, `PACT_DISABLE_NATIVE=1`, or a failed build use a pure-torch
+path: one gather from a (block scale, packed byte) -> two values table. Both are tested against the reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from .format import BLOCK_SIZE, dequantize_reference, e2m1_table
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "dequant.c"
+# -ffp-contract=off: no fused multiply-adds; without -ffast-math denormals are kept, as torch keeps them.
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off")
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_failed = False
+
+
+def _machine_id() -> str:
+    """What `-march=native` depends on: architecture plus the CPU model and feature flags where Linux tells them."""
+    parts = [platform.system(), platform.machine(), platform.processor()]
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.split(":")[0].strip() in ("model name", "flags", "Features", "CPU part"):
+                parts.append(line)
+                if len(parts) > 6:
+                    break
+    except OSError:
+        pass
+    return "\n".join(parts)
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("PACT_CACHE")
+    return Path(root) / "kernels" if root else Path.home() / ".cache" / "optimum_pact" / "kernels"
+
+
+def _compile(compiler: str, flags: tuple[str, ...], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so.tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([compiler, *flags, str(_SOURCE), "-o", tmp], capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} {' '.join(flags)} failed: {(proc.stderr or proc.stdout).strip()[-2000:]}")
+        os.replace(tmp, path)  # atomic: a concurrent process sees either no file or a complete one
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _build() -> ctypes.CDLL:
+    """Compile (or reuse a cached build of) the C kernel and load it; raises with the reason on failure.
+
+    A compiler without OpenMP (Apple clang) or `-march=native` gets another try without: one thread / generic code.
+    """
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        raise RuntimeError(f"no C compiler found ({os.environ.get('CC', 'cc')!r} is not on PATH)")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    base = b"\0".join([_SOURCE.read_bytes(), compiler.encode(), version.encode(), _machine_id().encode()])
+    flag_sets = [_FLAGS, tuple(f for f in _FLAGS if f != "-fopenmp")]
+    flag_sets.append(tuple(f for f in flag_sets[1] if f != "-march=native"))
+    paths = [
+        _cache_dir() / f"nvfp4_dequant_{hashlib.sha256(base + ' '.join(f).encode()).hexdigest()[:24]}.so"
+        for f in flag_sets
+    ]
+    path = next((p for p in paths if p.exists()), None)
+    errors = []
+    for flags, candidate in zip(flag_sets, paths):
+        if path is not None:
+            break
+        try:
+            _compile(compiler, flags, candidate)
+            path = candidate
+        except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+            errors.append(str(exc))
+    if path is None:
+        raise RuntimeError(errors[0])
+    if path != paths[0]:
+        logger.info("optimum_pact: NVFP4 kernel built with reduced flags (%s): %s", path.name, errors[:1])
+    lib = ctypes.CDLL(str(path))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.pact_nvfp4_dequantize.argtypes = [ptr, i64, ptr, i64, ctypes.c_float, i64, i64, ptr] + [ctypes.c_int] * 3
+    lib.pact_nvfp4_dequantize.restype = ctypes.c_int
+    lib.pact_nvfp4_has_avx512.restype = ctypes.c_int
+    return lib
+
+
+def _native() -> ctypes.CDLL | None:
+    """The loaded kernel, building it on first use; None (after ONE warning) if that is impossible."""
+    global _lib, _failed
+    if _lib is None and not _failed:
+        with _lock:
+            if _lib is None and not _failed:
+                try:
+                    _lib = _build()
+                except Exception as exc:  # any failure means the torch path, never a wrong result
+                    _failed = True
+                    logger.warning("optimum_pact: native NVFP4 dequantizer unavailable, using the torch path: %s", exc)
+    return _lib
+
+
+def native_available() -> bool:
+    """Whether CPU dequantization runs the compiled kernel (builds it if needed; False if disabled or it failed)."""
+    return os.environ.get("PACT_DISABLE_NATIVE", "") in ("", "0") and _native() is not None
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
+def dequantize_native(
+    qdata: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor, dtype: torch.dtype, scalar: bool = False
+) -> torch.Tensor:
+    """The C kernel on CPU tensors; `scalar=True` forces its portable (non-SIMD) code, for tests."""
+    lib = _native()
+    if lib is None:
+        raise RuntimeError("the native NVFP4 dequantizer is not available")
+    n, half_k = qdata.shape
+    qdata, scale = _last_dim_contiguous(qdata), _last_dim_contiguous(scale)
+    if scale.shape != (n, half_k * 2 // BLOCK_SIZE) or half_k % (BLOCK_SIZE // 2):
+        raise ValueError(f"NVFP4 shapes do not match: qdata {tuple(qdata.shape)}, scale {tuple(scale.shape)}")
+    if not (qdata.is_cpu and scale.is_cpu and qdata.dtype == torch.uint8 and scale.element_size() == 1):
+        raise TypeError(f"expected CPU uint8 qdata and e4m3 scale; got {qdata.dtype}, {scale.dtype} on {qdata.device}")
+    out = torch.empty(n, half_k * 2, dtype=dtype)
+    if out.numel() == 0:
+        return out
+    status = lib.pact_nvfp4_dequantize(
+        qdata.data_ptr(), qdata.stride(0), scale.data_ptr(), scale.stride(0), float(scale_2), n, half_k * 2,
+        out.data_ptr(), _DTYPES[dtype], int(scalar), torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise RuntimeError(f"native NVFP4 dequantizer rejected its arguments (status {status})")
+    return out
+
+
+def dequantize_torch(
+    qdata: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Pure torch, any device: one gather per packed byte from a [256 scales x 256 bytes] table of value pairs.
+
+    Each entry is `fp32(fp32(E2M1 * scale) * scale_2)` cast to `dtype`, the very operations of the reference,
+    so the gather is bit-exact. A pair of values is gathered as one int32 / int64 (`index_select` on a flat
+    table is several times faster than `embedding` on CPU); the table is rebuilt per call (scale_2 changes).
+    """
+    n, half_k = qdata.shape
+    device = qdata.device
+    codes = torch.arange(256, device=device)
+    scales = codes.to(torch.uint8).view(torch.float8_e4m3fn).float()  # NaN entries exist but are never indexed
+    pairs = e2m1_table(device=device)[torch.stack((codes & 0x0F, codes >> 4), dim=-1)]  # [byte, 2]
+    table = ((pairs * scales[:, None, None]) * scale_2.float().reshape(())).to(dtype)  # [scale, byte, 2]
+    pair_dtype = {1: torch.int16, 2: torch.int32, 4: torch.int64}[table.element_size()]
+    index = qdata.reshape(n, half_k // 8, BLOCK_SIZE // 2).int()
+    index.add_((scale.view(torch.uint8).int() << 8).unsqueeze(-1))
+    out = table.view(pair_dtype).reshape(-1).index_select(0, index.reshape(-1))
+    return out.view(dtype).reshape(n, half_k * 2)
+
+
+def dequantize(
+    qdata: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """NVFP4 uint8 [N, K/2] + e4m3 [N, K/16] + fp32 scalar -> contiguous `dtype` [N, K], equal to the reference."""
+    if dtype not in _DTYPES:  # e.g. float64: no fast path needed
+        return dequantize_reference(qdata, scale, scale_2, dtype)
+    if qdata.is_cpu and native_available():
+        return dequantize_native(qdata, scale, scale_2, dtype)
+    return dequantize_torch(qdata, scale, scale_2, dtype)
