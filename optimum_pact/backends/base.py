@@ -9,6 +9,13 @@ import torch
 from ..nvfp4 import NVFP4Tensor
 
 
+class BackendUnavailableError(RuntimeError):
+    """A backend's runtime (an optional package, a device, a driver) is missing or cannot start.
+
+    The message says what to install or change.
+    """
+
+
 @runtime_checkable
 class Backend(Protocol):
     """Holds each frozen weight once and computes both products from it with ONE dequantizer.
