@@ -21,6 +21,28 @@ def _finetune_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="compute dtype")
     p.add_argument("--seed", type=int, default=0)
+    b = p.add_argument_group(
+        "background job",
+        "run at night, on the charger, killable at any moment: re-running the same command continues where it "
+        "stopped; one run per --output (a lock file)",
+    )
+    b.add_argument(
+        "--background",
+        action="store_true",
+        help="thermal pacing + atomic checkpoints + resume; SIGTERM/SIGINT saves a checkpoint and exits",
+    )
+    b.add_argument("--save-steps", type=int, help="checkpoint every N steps (default 20)")
+    b.add_argument("--save-minutes", type=float, help="also checkpoint every M minutes (default 10)")
+    b.add_argument("--keep-checkpoints", type=int, help="checkpoints kept (default 2)")
+    b.add_argument(
+        "--thermal-limit",
+        type=float,
+        help="pause at this temperature in C (default: 40 on a phone's skin sensor, 85 on CPU sensors)",
+    )
+    b.add_argument("--duty-cycle", type=float, help="train at most this fraction of the time (0-1]")
+    b.add_argument("--only-while-charging", action="store_true", help="pause while not on external power")
+    b.add_argument("--min-battery", type=int, help="pause while the battery is below this percentage")
+    b.add_argument("--sysfs-root", default="/sys", help="where thermal and power sensors are read (default /sys)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,14 +53,20 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     if args.command == "finetune":
+        from trainer_callbacks import OutputDirLockedError, TrainingInterrupted
+
+        from .backends import BackendUnavailableError
         from .finetune import finetune
 
         kwargs = {k: v for k, v in vars(args).items() if k != "command"}
         try:
             summary = finetune(**kwargs)
-        except (FileNotFoundError, ValueError, TypeError) as err:
+        except (FileNotFoundError, ValueError, TypeError, BackendUnavailableError, OutputDirLockedError) as err:
             print(f"pact finetune: error: {err}", file=sys.stderr)
             return 2
+        except TrainingInterrupted as stop:
+            print(f"pact finetune: {stop}", file=sys.stderr)
+            return 128 + stop.signum
         print(summary.render())
     return 0
 

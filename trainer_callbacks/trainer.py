@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 from transformers import Trainer, TrainerCallback
@@ -10,6 +11,8 @@ from transformers import Trainer, TrainerCallback
 from optimum_pact.dataflow import FrozenLinear
 
 from .resources import ResourceReportCallback
+from .resumable import ResumableExecutionCallback
+from .thermal import ThermalPacingCallback
 from .training_args import PactTrainingArguments
 
 logger = logging.getLogger(__name__)
@@ -41,9 +44,63 @@ class PactTrainer(Trainer):
             if self.args.pact_report_resources:
                 self.resources = ResourceReportCallback()
                 self.add_callback(self.resources)
+            if self.args.pacing_enabled:
+                self.add_callback(
+                    ThermalPacingCallback(
+                        limit_c=self.args.pact_thermal_limit_c,
+                        hysteresis_c=self.args.pact_thermal_hysteresis_c,
+                        zones=self.args.thermal_zone_patterns,
+                        duty_cycle=self.args.pact_duty_cycle,
+                        only_while_charging=self.args.pact_only_while_charging,
+                        min_battery=self.args.pact_min_battery,
+                        sysfs_root=self.args.pact_sysfs_root,
+                        poll_seconds=self.args.pact_pacing_poll_seconds,
+                    )
+                )
+            if self.args.resumable_enabled:  # after the pacer: a signal during a pause is seen at that step's end
+                self.add_callback(ResumableExecutionCallback(save_every_minutes=self.args.pact_save_minutes))
+
+    def callback(self, kind: type) -> TrainerCallback | None:
+        """The registered callback of type `kind`, or None (looked up each time: a resume may replace it)."""
+        return next((cb for cb in self.callback_handler.callbacks if isinstance(cb, kind)), None)
+
+    @property
+    def pacer(self) -> ThermalPacingCallback | None:
+        return self.callback(ThermalPacingCallback)
+
+    @property
+    def resumable(self) -> ResumableExecutionCallback | None:
+        return self.callback(ResumableExecutionCallback)
+
+    def find_checkpoint(self) -> str | None:
+        """The newest verified checkpoint of this run (None: start fresh); needs pact_resumable."""
+        if self.resumable is None:
+            raise ValueError("find_checkpoint needs pact_resumable=True (or the ResumableExecutionCallback).")
+        return self.resumable.find_checkpoint(self.args, self.model)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        """`Trainer.train`; with pact_resumable, `resume_from_checkpoint=True` takes the newest verified checkpoint
+        (corrupt ones are reported and skipped) and a given path is verified first. A checkpoint from another base
+        model or adapter configuration is refused with a ValueError."""
+        if self.resumable is not None and resume_from_checkpoint is True:
+            found = self.find_checkpoint()
+            if found is None:
+                raise ValueError(
+                    f"resume_from_checkpoint=True but {self.resumable.checkpoints_dir(self.args)} holds no valid "
+                    "checkpoint; pass None to start fresh."
+                )
+            resume_from_checkpoint = found
+        elif self.resumable is not None and isinstance(resume_from_checkpoint, (str, Path)):
+            self.resumable.check_checkpoint(resume_from_checkpoint, self.model)
+            resume_from_checkpoint = str(resume_from_checkpoint)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
-        """Adds `peak_rss_gib` and `train_steps_per_second_measured` to every log (Trainer's documented hook)."""
+        """Adds `peak_rss_gib` and `train_steps_per_second_measured` to every log (Trainer's documented hook), and
+        the pacing and checkpoint figures when those callbacks are on."""
         if self.resources is not None and self.resources.started:
             logs = {**logs, **self.resources.metrics(self.state)}
+        for callback in (self.pacer, self.resumable):
+            if callback is not None:
+                logs = {**logs, **callback.metrics()}
         super().log(logs, *args, **kwargs)

@@ -6,10 +6,20 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from .thermal import check_pacing_options
+
 
 @dataclass
 class PactTrainingArguments(TrainingArguments):
     """`TrainingArguments` plus PACT options (all prefixed `pact_`); parse them with `HfArgumentParser` as usual."""
+
+    ddp_broadcast_buffers: bool | None = field(  # TrainingArguments' field, PACT's default
+        default=False,
+        metadata={
+            "help": "DistributedDataParallel's broadcast_buffers. PACT's default is False: the packed NVFP4 weights "
+            "are buffers, identical on every process, and gloo (multi-process CPU) cannot broadcast float8."
+        },
+    )
 
     pact_num_threads: int | None = field(
         default=None,
@@ -18,6 +28,58 @@ class PactTrainingArguments(TrainingArguments):
     pact_report_resources: bool = field(
         default=True,
         metadata={"help": "Log the process's peak resident memory and the training throughput with the metrics."},
+    )
+    # ---- pacing (ThermalPacingCallback); setting any option below turns it on ----
+    pact_thermal_pacing: bool = field(
+        default=False,
+        metadata={
+            "help": "Pause between steps while the device is too hot (and, if set, off the charger or low on "
+            "battery). Setting any other pacing option turns this on too."
+        },
+    )
+    pact_thermal_limit_c: float | None = field(
+        default=None,
+        metadata={
+            "help": "Pause when the hottest selected thermal zone reaches this many degrees Celsius. None: 40 on a "
+            "phone's skin sensor, 85 on CPU sensors."
+        },
+    )
+    pact_thermal_hysteresis_c: float = field(
+        default=2.0, metadata={"help": "After a thermal pause, resume once this many degrees below the limit."}
+    )
+    pact_thermal_zones: str | None = field(
+        default=None,
+        metadata={
+            "help": "Comma-separated globs of thermal zone types that count (e.g. 'skin-therm,cpu*'); needs "
+            "pact_thermal_limit_c. None: the skin zones if any, else the CPU zones."
+        },
+    )
+    pact_duty_cycle: float | None = field(
+        default=None,
+        metadata={"help": "Train at most this fraction of the time, resting after each step (0.5: rest = step)."},
+    )
+    pact_only_while_charging: bool = field(
+        default=False, metadata={"help": "Pause while the device is not on external power."}
+    )
+    pact_min_battery: int | None = field(
+        default=None, metadata={"help": "Pause while the battery is below this percentage."}
+    )
+    pact_sysfs_root: str = field(
+        default="/sys", metadata={"help": "Where the thermal and power-supply sensors are read (class/thermal, ...)."}
+    )
+    pact_pacing_poll_seconds: float = field(default=2.0, metadata={"help": "How often sensors are read while paused."})
+    # ---- resumable execution (ResumableExecutionCallback) ----
+    pact_resumable: bool = field(
+        default=False,
+        metadata={
+            "help": "Commit checkpoints atomically with a checksum manifest into <output_dir>/checkpoints, keep "
+            "save_total_limit of them, save and stop on SIGTERM/SIGINT, and resume_from_checkpoint=True picks the "
+            "newest one that verifies. Checkpoints follow save_strategy/save_steps (and pact_save_minutes)."
+        },
+    )
+    pact_save_minutes: float | None = field(
+        default=None,
+        metadata={"help": "Also checkpoint once this many minutes passed since the last one (sets pact_resumable)."},
     )
 
     def __post_init__(self):
@@ -30,3 +92,61 @@ class PactTrainingArguments(TrainingArguments):
             raise ValueError(
                 f"pact_num_threads={self.pact_num_threads!r} must be a positive integer (or None for torch's default)."
             )
+        check_pacing_options(
+            self.pact_thermal_limit_c,
+            self.pact_thermal_hysteresis_c,
+            self.pact_duty_cycle,
+            self.pact_min_battery,
+            self.pact_pacing_poll_seconds,
+            names={
+                "limit_c": "pact_thermal_limit_c",
+                "hysteresis_c": "pact_thermal_hysteresis_c",
+                "duty_cycle": "pact_duty_cycle",
+                "min_battery": "pact_min_battery",
+                "poll_seconds": "pact_pacing_poll_seconds",
+            },
+        )
+        if self.pact_thermal_zones is not None and not self.thermal_zone_patterns:
+            raise ValueError(
+                f"pact_thermal_zones={self.pact_thermal_zones!r} names no zone; give comma-separated globs of "
+                "thermal zone types (e.g. 'skin-therm,cpu*') or leave it unset for the defaults."
+            )
+        if self.pact_thermal_zones is not None and self.pact_thermal_limit_c is None:
+            raise ValueError(
+                f"pact_thermal_zones={self.pact_thermal_zones!r} needs pact_thermal_limit_c (degrees Celsius) "
+                "for those sensors."
+            )
+        if self.pact_save_minutes is not None and (
+            isinstance(self.pact_save_minutes, bool)
+            or not isinstance(self.pact_save_minutes, (int, float))
+            or not self.pact_save_minutes > 0
+        ):
+            raise ValueError(f"pact_save_minutes={self.pact_save_minutes!r} must be a positive number of minutes.")
+        if self.resumable_enabled and self.load_best_model_at_end:
+            raise ValueError(
+                "load_best_model_at_end=True does not work with pact_resumable=True (checkpoints are moved into "
+                "<output_dir>/checkpoints when committed); turn one of them off."
+            )
+        if self.resumable_enabled and self.save_total_limit is not None and self.save_total_limit < 1:
+            raise ValueError(f"save_total_limit={self.save_total_limit!r} must be at least 1 with pact_resumable.")
+
+    @property
+    def pacing_enabled(self) -> bool:
+        return bool(
+            self.pact_thermal_pacing
+            or self.pact_thermal_limit_c is not None
+            or self.pact_thermal_zones is not None
+            or self.pact_duty_cycle is not None
+            or self.pact_only_while_charging
+            or self.pact_min_battery is not None
+        )
+
+    @property
+    def resumable_enabled(self) -> bool:
+        return bool(self.pact_resumable or self.pact_save_minutes is not None)
+
+    @property
+    def thermal_zone_patterns(self) -> list[str] | None:
+        if self.pact_thermal_zones is None:
+            return None
+        return [p.strip() for p in self.pact_thermal_zones.split(",") if p.strip()]

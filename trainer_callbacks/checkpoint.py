@@ -1,0 +1,269 @@
+"""Verified, atomically committed Trainer checkpoints: a checksum manifest, commit by rename, corrupt fallback.
+
+The Trainer writes a checkpoint into `<output_dir>/checkpoint-N` (its own format: adapter, optimizer, scheduler,
+RNG states, trainer_state.json). `commit_checkpoint` fsyncs it, writes `pact_checkpoint.json` (sha256 and size of
+every file, the data position and the run's identity) by temp file + fsync + rename, then renames the whole folder
+into `<output_dir>/checkpoints/`, so that folder only ever holds complete checkpoints. `find_checkpoint` returns the
+newest one whose checksums verify, moving corrupt ones aside, and refuses one written for another base model or
+adapter configuration.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_NAME = "pact_checkpoint.json"
+STAGING_MARKER = ".pact-staging"
+CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+FORMAT_VERSION = 1
+REQUIRED_FILES = ("trainer_state.json",)
+# LoRA config fields that do not change what is trained.
+_VOLATILE_ADAPTER_KEYS = {"base_model_name_or_path", "revision", "inference_mode", "runtime_config", "peft_version"}
+_SAMPLES_PER_TENSOR = 1 << 16
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint whose manifest is missing or whose files do not match their checksums."""
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # e.g. Windows cannot open a directory
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    """Write JSON to `path` via a temp file in the same folder, fsync, rename, fsync the folder."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _jsonable(value):
+    if isinstance(value, (set, frozenset)):
+        return sorted(_jsonable(v) for v in value)
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def _base_fingerprint(model: torch.nn.Module) -> str:
+    """sha256 over the name, shape, dtype and a strided sample of every frozen tensor (LoRA weights excluded)."""
+    digest = hashlib.sha256()
+    tensors = [(n, t) for n, t in model.named_parameters() if not t.requires_grad]
+    tensors += list(model.named_buffers())
+    for name, tensor in sorted(tensors, key=lambda item: item[0]):
+        if "lora_" in name:
+            continue
+        flat = tensor.detach().reshape(-1)
+        step = max(1, flat.numel() // _SAMPLES_PER_TENSOR)
+        sample = flat[::step].contiguous().cpu()
+        digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
+        digest.update(sample.view(torch.uint8).numpy().tobytes() if sample.numel() else b"")
+    return digest.hexdigest()
+
+
+def model_identity(model: torch.nn.Module) -> dict:
+    """What a checkpoint must match to be resumed into `model`: the adapter configuration and the frozen base."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    adapter: dict = {}
+    peft_config = getattr(model, "peft_config", None)
+    if isinstance(peft_config, dict):
+        for adapter_name, cfg in sorted(peft_config.items()):
+            fields = {k: v for k, v in cfg.to_dict().items() if k not in _VOLATILE_ADAPTER_KEYS}
+            if hasattr(cfg, "pact_dict"):
+                fields.update({f"pact.{k}": v for k, v in cfg.pact_dict().items()})
+            adapter[adapter_name] = _jsonable(fields)
+    return {
+        "base_model": str(getattr(config, "_name_or_path", "") or type(base).__name__),
+        "base_fingerprint": _base_fingerprint(base),
+        "adapter": adapter,
+    }
+
+
+def identity_mismatch(saved: dict, current: dict) -> str | None:
+    """Why a checkpoint with identity `saved` cannot be resumed into a run with identity `current` (None: it can)."""
+    if saved.get("adapter") != current.get("adapter"):
+        old, new = saved.get("adapter", {}), current.get("adapter", {})
+        diffs = []
+        for name in sorted(set(old) | set(new)):
+            a, b = old.get(name, {}), new.get(name, {})
+            for key in sorted(set(a) | set(b)):
+                if a.get(key) != b.get(key):
+                    diffs.append(f"{name}.{key}: checkpoint {a.get(key)!r}, this run {b.get(key)!r}")
+        return "a different adapter configuration (LoRA/PactConfig): " + "; ".join(diffs[:6] or ["adapters differ"])
+    if saved.get("base_fingerprint") != current.get("base_fingerprint"):
+        return (
+            f"a different base model: checkpoint {saved.get('base_model')!r} (fingerprint "
+            f"{str(saved.get('base_fingerprint'))[:12]}), this run {current.get('base_model')!r} (fingerprint "
+            f"{str(current.get('base_fingerprint'))[:12]})"
+        )
+    return None
+
+
+def checkpoint_step(path: Path) -> int:
+    match = CHECKPOINT_RE.match(Path(path).name)
+    return int(match.group(1)) if match else -1
+
+
+def list_checkpoints(checkpoints_dir: str | Path) -> list[Path]:
+    """Committed checkpoint folders in `checkpoints_dir`, oldest step first."""
+    folder = Path(checkpoints_dir)
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.iterdir() if p.is_dir() and CHECKPOINT_RE.match(p.name)]
+    return sorted(found, key=checkpoint_step)
+
+
+def _payload_files(folder: Path) -> Iterable[Path]:
+    for path in sorted(folder.rglob("*")):
+        if path.is_file() and path.name not in (MANIFEST_NAME, STAGING_MARKER) and not path.name.endswith(".tmp"):
+            yield path
+
+
+def commit_checkpoint(staging: str | Path, checkpoints_dir: str | Path, info: dict) -> Path:
+    """Seal the Trainer's checkpoint folder `staging` and move it into `checkpoints_dir` in one rename.
+
+    Every file is fsynced, then the manifest (checksums, sizes and `info`) is written atomically, then the folder
+    is renamed. An older folder of the same name (a corrupt one being replaced) is moved aside first.
+    """
+    staging, checkpoints_dir = Path(staging), Path(checkpoints_dir)
+    files = {}
+    for path in _payload_files(staging):
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+        files[path.relative_to(staging).as_posix()] = {"sha256": _sha256(path), "bytes": path.stat().st_size}
+    missing = [name for name in REQUIRED_FILES if name not in files]
+    if missing:
+        raise CorruptCheckpointError(f"{staging} lacks {missing}; the Trainer did not finish writing it.")
+    manifest = {"format": FORMAT_VERSION, "created": time.time(), "files": files, **_jsonable(info)}
+    write_json_atomic(staging / MANIFEST_NAME, manifest)
+    (staging / STAGING_MARKER).unlink(missing_ok=True)
+    _fsync_dir(staging)
+    checkpoints_dir.mkdir(parents=True, exist_ok=True)
+    target = checkpoints_dir / staging.name
+    if target.exists():
+        _discard(target)
+    os.replace(staging, target)
+    _fsync_dir(checkpoints_dir)
+    _fsync_dir(staging.parent)
+    return target
+
+
+def read_manifest(folder: str | Path) -> dict:
+    """The manifest of a committed checkpoint, after checking every file against it (CorruptCheckpointError)."""
+    folder = Path(folder)
+    try:
+        manifest = json.loads((folder / MANIFEST_NAME).read_text())
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{folder}: no {MANIFEST_NAME} (not committed)") from None
+    except (OSError, ValueError) as err:
+        raise CorruptCheckpointError(f"{folder}: unreadable {MANIFEST_NAME} ({err})") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise CorruptCheckpointError(f"{folder}: {MANIFEST_NAME} has no file list")
+    for name, expected in manifest["files"].items():
+        path = folder / name
+        if not path.is_file():
+            raise CorruptCheckpointError(f"{folder}: {name} is missing")
+        size = path.stat().st_size
+        if size != expected.get("bytes"):
+            raise CorruptCheckpointError(f"{folder}: {name} has {size} bytes, expected {expected.get('bytes')}")
+        if _sha256(path) != expected.get("sha256"):
+            raise CorruptCheckpointError(f"{folder}: {name} does not match its sha256")
+    return manifest
+
+
+def _discard(folder: Path) -> None:
+    """Remove `folder` so that it leaves the committed set at once: rename it aside, then delete it."""
+    trash = folder.with_name(f".deleting-{folder.name}-{os.getpid()}-{time.monotonic_ns()}")
+    os.replace(folder, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def quarantine(folder: Path) -> Path:
+    """Move a corrupt checkpoint out of the committed set, to `<name>.corrupt` (replacing an older one)."""
+    target = folder.with_name(folder.name + ".corrupt")
+    if target.exists():
+        shutil.rmtree(target, ignore_errors=True)
+    os.replace(folder, target)
+    return target
+
+
+def find_checkpoint(
+    checkpoints_dir: str | Path, model: torch.nn.Module | None = None, move_corrupt: bool = True
+) -> Path | None:
+    """The newest committed checkpoint in `checkpoints_dir` whose files verify, or None when there is none.
+
+    Corrupt ones are reported (warning) and, with `move_corrupt`, renamed to `<name>.corrupt`; the next older one
+    is tried. With `model`, a checkpoint written for another base model or adapter configuration is refused with a
+    ValueError saying why (it is not skipped: the folder belongs to another run).
+    """
+    current = model_identity(model) if model is not None else None
+    for folder in reversed(list_checkpoints(checkpoints_dir)):
+        try:
+            manifest = read_manifest(folder)
+        except CorruptCheckpointError as err:
+            where = quarantine(folder) if move_corrupt else folder
+            logger.warning(f"resumable: corrupt checkpoint skipped: {err}; moved to {where}; trying an older one.")
+            continue
+        if current is not None:
+            reason = identity_mismatch(manifest.get("identity", {}), current)
+            if reason is not None:
+                raise ValueError(
+                    f"refusing to resume from {folder}: it was written for {reason}. Use another output directory "
+                    f"for this run, or delete {Path(checkpoints_dir)} to start over."
+                )
+        return folder
+    return None
+
+
+def rotate_checkpoints(checkpoints_dir: str | Path, keep: int | None) -> list[Path]:
+    """Delete all but the newest `keep` committed checkpoints (None keeps all); returns the deleted ones."""
+    if keep is None:
+        return []
+    if keep < 1:
+        raise ValueError(f"keep={keep!r} must be at least 1 (or None to keep every checkpoint).")
+    old = list_checkpoints(checkpoints_dir)[:-keep]
+    for folder in old:
+        _discard(folder)
+    return old
+
+
+def folder_bytes(folder: str | Path) -> int:
+    return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
