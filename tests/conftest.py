@@ -12,6 +12,21 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
     return Qwen2ForCausalLM(Qwen2Config(vocab_size=128, **{**TINY, **overrides}))
 
 
+def train_lm(model, steps: int = 30, seed: int = 0) -> list[float]:
+    """A plain training loop on random tokens: AdamW over the trainable parameters; returns the losses."""
+    torch.manual_seed(seed)
+    ids = torch.randint(0, 128, (4, 16))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 @pytest.fixture(params=["llama", "qwen2"])
 def arch(request):
     return request.param

@@ -5,7 +5,7 @@ import logging
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import tiny_model, train_lm
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import Linear as LoraLinear
 
@@ -13,25 +13,11 @@ from optimum_pact.dataflow import FrozenLinear
 from peft_ext import PACT_CONFIG_NAME, PactConfig, PactLoraLinear
 
 
-def _train(model, steps=30, seed=0):
-    torch.manual_seed(seed)
-    ids = torch.randint(0, 128, (4, 16))
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    losses = []
-    for _ in range(steps):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 @pytest.mark.parametrize("config_cls", [LoraConfig, PactConfig])
 def test_swap_is_the_only_change(arch, config_cls):
     # a plain peft script; the parametrization swaps only the config class
     model = get_peft_model(tiny_model(arch), config_cls(r=4, target_modules="all-linear"))
-    losses = _train(model)
+    losses = train_lm(model)
     assert losses[-1] < losses[0] - 0.5, losses
     frozen = [m for m in model.modules() if isinstance(m, FrozenLinear)]
     assert len(frozen) == (14 if config_cls is PactConfig else 0)  # 7 linears x 2 blocks
@@ -59,7 +45,7 @@ def test_forward_is_base_product_plus_adapter(arch):
 
 def test_saved_adapter_loads_in_stock_peft_on_unquantized_base(tmp_path, arch):
     model = get_peft_model(tiny_model(arch), PactConfig(r=4, target_modules="all-linear", tile_size=32))
-    _train(model, steps=3)
+    train_lm(model, steps=3)
     model.save_pretrained(tmp_path)
     adapter_config = json.loads((tmp_path / "adapter_config.json").read_text())
     assert adapter_config["peft_type"] == "LORA" and "backend" not in adapter_config
@@ -134,5 +120,5 @@ def test_pact_config_on_a_model_loaded_through_the_quantizer(tmp_path):
     assert len(wrapped) == len(packed) == 14
     for name, layer in wrapped.items():  # the loaded NVFP4 weight is reused as is, not quantized twice
         assert torch.equal(layer.get_base_layer().weight, packed[name.removeprefix("base_model.model.")])
-    losses = _train(model, steps=20)
+    losses = train_lm(model, steps=20)
     assert losses[-1] < losses[0] - 0.5

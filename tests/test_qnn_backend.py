@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import tiny_model, train_lm
 
 from optimum_pact.backends import BACKENDS, BackendUnavailableError, get_backend
 from optimum_pact.backends import qnn as qnn_module
@@ -197,20 +197,6 @@ def test_qnn_receives_the_packed_weight_not_a_folded_dequantized_one(tmp_path):
     assert "Gather" not in {node["type"] for node in graph["nodes"].values()}
 
 
-def _train(model, steps=10, seed=0):
-    torch.manual_seed(seed)
-    ids = torch.randint(0, 128, (4, 16))
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    losses = []
-    for _ in range(steps):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 @needs_qnn
 def test_lora_finetune_on_qnn_tracks_torch_backend():
     from peft import get_peft_model
@@ -222,7 +208,7 @@ def test_lora_finetune_on_qnn_tracks_torch_backend():
         model = get_peft_model(tiny_model("llama"), PactConfig(r=4, target_modules="all-linear", backend=backend))
         frozen = [m for m in model.modules() if isinstance(m, FrozenLinear)]
         assert len(frozen) == 14 and all(m.backend.name == backend for m in frozen)
-        curves[backend] = _train(model)
+        curves[backend] = train_lm(model, steps=10)
     torch_curve, qnn_curve = curves["torch"], curves["qnn"]
     assert qnn_curve[-1] < qnn_curve[0] - 0.5, qnn_curve  # it learns
     gaps = [abs(a - b) for a, b in zip(torch_curve, qnn_curve)]

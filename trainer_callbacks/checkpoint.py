@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from optimum_pact.files import sha256_file
+
 logger = logging.getLogger(__name__)
 
 MANIFEST_NAME = "pact_checkpoint.json"
@@ -49,14 +51,6 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
@@ -168,7 +162,7 @@ def commit_checkpoint(staging: str | Path, checkpoints_dir: str | Path, info: di
     for path in _payload_files(staging):
         with open(path, "rb") as f:
             os.fsync(f.fileno())
-        files[path.relative_to(staging).as_posix()] = {"sha256": _sha256(path), "bytes": path.stat().st_size}
+        files[path.relative_to(staging).as_posix()] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
     missing = [name for name in REQUIRED_FILES if name not in files]
     if missing:
         raise CorruptCheckpointError(f"{staging} lacks {missing}; the Trainer did not finish writing it.")
@@ -204,7 +198,7 @@ def read_manifest(folder: str | Path) -> dict:
         size = path.stat().st_size
         if size != expected.get("bytes"):
             raise CorruptCheckpointError(f"{folder}: {name} has {size} bytes, expected {expected.get('bytes')}")
-        if _sha256(path) != expected.get("sha256"):
+        if sha256_file(path) != expected.get("sha256"):
             raise CorruptCheckpointError(f"{folder}: {name} does not match its sha256")
     return manifest
 
