@@ -149,16 +149,7 @@ def replace_with_frozen_linear(
         if module.in_features % BLOCK_SIZE:
             skipped.append(f"{name} (in_features={module.in_features})")
             continue
-        frozen = FrozenLinear(
-            module.in_features,
-            module.out_features,
-            bias=module.bias is not None,
-            backend=backend,
-            tile_size=tile_size,
-            dtype=module.weight.dtype,
-            device=module.weight.device,
-        )
-        model.set_submodule(name, frozen)
+        model.set_submodule(name, FrozenLinear.empty_like(module, backend=backend, tile_size=tile_size))
         converted.append(name)
     return converted, skipped
 

@@ -67,11 +67,11 @@ class FrozenLinear(nn.Module):
         self._handle = None
 
     @classmethod
-    def from_linear(
+    def empty_like(
         cls, linear: nn.Linear, backend: str | Backend = "torch", tile_size: int | None = None
     ) -> FrozenLinear:
-        """Quantize `linear.weight` to NVFP4; the returned layer holds no floating copy of it."""
-        layer = cls(
+        """A FrozenLinear of `linear`'s shape, bias, dtype and device, with no weight loaded yet."""
+        return cls(
             linear.in_features,
             linear.out_features,
             bias=linear.bias is not None,
@@ -80,6 +80,13 @@ class FrozenLinear(nn.Module):
             dtype=linear.weight.dtype,
             device=linear.weight.device,
         )
+
+    @classmethod
+    def from_linear(
+        cls, linear: nn.Linear, backend: str | Backend = "torch", tile_size: int | None = None
+    ) -> FrozenLinear:
+        """Quantize `linear.weight` to NVFP4; the returned layer holds no floating copy of it."""
+        layer = cls.empty_like(linear, backend=backend, tile_size=tile_size)
         layer.load_nvfp4(quantize(linear.weight.detach()))
         if linear.bias is not None:
             layer.bias.data.copy_(linear.bias.detach())
