@@ -6,13 +6,27 @@ import argparse
 import logging
 import sys
 
+from .backends import BACKEND_CHOICES
+
 
 def _finetune_parser(sub) -> None:
     p = sub.add_parser("finetune", help="LoRA fine-tune with an NVFP4 data-flow base (default: built-in model+data)")
     p.add_argument("--model", help="model folder or Hub id (default: SmolLM2-135M-Instruct, fetched once)")
     p.add_argument("--data", help="JSONL file of {'text': ..., 'label': ...} items (default: built-in notes)")
     p.add_argument("--output", default="pact-output", help="where the adapter and summary.json go")
-    p.add_argument("--backend", default="torch", help="backend for the frozen-weight products")
+    p.add_argument(
+        "--backend",
+        default="torch",
+        choices=BACKEND_CHOICES,
+        help="backend for the frozen-weight products (auto: qnn where a real QNN HTP starts, else torch)",
+    )
+    p.add_argument("--soc-model", help="qnn: the Snapdragon SoC id the NPU graphs are compiled for (default 60)")
+    p.add_argument(
+        "--precision-budget-mib",
+        type=float,
+        help="probe gradient sensitivity on a calibration batch and keep the most sensitive linears fp16 "
+        "within this many MiB above all-NVFP4 (the plan is saved in pact_config.json)",
+    )
     p.add_argument("--r", type=int, default=8, help="LoRA rank")
     p.add_argument("--lora-alpha", type=int, default=16, help="LoRA alpha")
     p.add_argument("--learning-rate", type=float, default=2e-3)

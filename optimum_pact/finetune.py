@@ -39,6 +39,9 @@ class FinetuneSummary:
     frozen_linears: int
     backend: str
     adapter_dir: str
+    products: dict[str, int] | None = None  # frozen-weight products run in training, per backend
+    fp16_linears: int = 0  # linears the precision plan kept 16-bit
+    guarded_rows: int = 0  # rows the FP16 range guard scaled down (NPU)
     background: dict | None = None  # background mode only: resume point, pauses, checkpoints
 
     def to_dict(self) -> dict:
@@ -46,6 +49,20 @@ class FinetuneSummary:
         if out["background"] is None:
             del out["background"]
         return out
+
+    def _linears(self) -> str:
+        fp16 = f" ({self.fp16_linears} kept fp16 by the precision plan)" if self.fp16_linears else ""
+        return f"{self.frozen_linears} NVFP4-base linears{fp16} on the {self.backend} backend"
+
+    def _products(self) -> str:
+        counts = {name: n for name, n in (self.products or {}).items() if n}
+        total = sum(counts.values())
+        if len(counts) == 1:
+            (name,) = counts
+            text = f"{total} in training, all on {name}"
+        else:
+            text = f"{total} in training: " + ", ".join(f"{n} on {name}" for name, n in sorted(counts.items()))
+        return text + (f"; {self.guarded_rows} rows range-guarded" if self.guarded_rows else "")
 
     def render(self) -> str:
         rows = [
@@ -55,7 +72,8 @@ class FinetuneSummary:
             ("final training loss", f"{self.final_loss:.4f}"),
             ("steps", f"{self.steps} in {self.train_seconds:.1f} s ({self.steps_per_second:.2f} steps/s)"),
             ("peak memory (RSS)", f"{self.peak_rss_gib:.2f} GiB"),
-            ("frozen NVFP4 linears", f"{self.frozen_linears} on the {self.backend} backend"),
+            ("frozen linears", self._linears()),
+            ("frozen-weight products", self._products()),
             ("adapter", self.adapter_dir),
         ]
         if self.background is not None:
@@ -133,6 +151,8 @@ def finetune(
     data: str | None = None,
     output: str = "pact-output",
     backend: str = "torch",
+    soc_model: str | None = None,
+    precision_budget_mib: float | None = None,
     r: int = 8,
     lora_alpha: int = 16,
     learning_rate: float = 2e-3,
@@ -175,6 +195,7 @@ def finetune(
     with lock:
         return _finetune(
             model, data, output, backend, r, lora_alpha, learning_rate, epochs, max_steps, batch_size, dtype, seed,
+            soc_model=soc_model, precision_budget_mib=precision_budget_mib,
             background=background, thermal_limit=thermal_limit, duty_cycle=duty_cycle,
             only_while_charging=only_while_charging, min_battery=min_battery, sysfs_root=sysfs_root, **settings,
         )  # fmt: skip
@@ -182,8 +203,8 @@ def finetune(
 
 def _finetune(
     model, data, output, backend, r, lora_alpha, learning_rate, epochs, max_steps, batch_size, dtype, seed, *,
-    background, thermal_limit, duty_cycle, only_while_charging, min_battery, sysfs_root, save_steps, save_minutes,
-    keep_checkpoints,
+    soc_model, precision_budget_mib, background, thermal_limit, duty_cycle, only_while_charging, min_battery,
+    sysfs_root, save_steps, save_minutes, keep_checkpoints,
 ) -> FinetuneSummary:  # fmt: skip
     from datasets import Dataset
     from peft import get_peft_model
@@ -207,9 +228,21 @@ def _finetune(
         "pact_min_battery": min_battery,
         "pact_sysfs_root": sysfs_root,
     }
+    if soc_model is not None and backend not in ("qnn", "auto"):
+        raise ValueError(f"--soc-model {soc_model!r} applies to --backend qnn (or auto), not --backend {backend}.")
+    if precision_budget_mib is not None and (
+        isinstance(precision_budget_mib, bool)
+        or not isinstance(precision_budget_mib, (int, float))
+        or not precision_budget_mib >= 0
+    ):
+        raise ValueError(f"--precision-budget-mib {precision_budget_mib!r} must be a number of MiB >= 0.")
     train_items, heldout_items = load_personal_dataset(data)  # validate the data before any slow work
-    pact_config = PactConfig(r=r, lora_alpha=lora_alpha, target_modules="all-linear", backend=backend)
-    get_backend(backend)  # a backend that cannot start (e.g. qnn without onnxruntime-qnn) fails before slow work
+    backend_options = None if soc_model is None else {"soc_model": soc_model}
+    pact_config = PactConfig(
+        r=r, lora_alpha=lora_alpha, target_modules="all-linear", backend=backend, backend_options=backend_options
+    )
+    # a backend that cannot start (qnn without onnxruntime-qnn, an unknown soc_model) fails before slow work
+    get_backend(backend, **(backend_options or {}))
     model_path = resolve_model(model)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.pad_token is None:
@@ -223,6 +256,14 @@ def _finetune(
     texts, golds = [i["text"] for i in heldout_items], [i["label"] for i in heldout_items]
     accuracy_before = accuracy(classify(base, tokenizer, texts, labels), golds)
 
+    train_rows = tokenize_examples(tokenizer, train_items)
+    collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+    if precision_budget_mib is not None:
+        torch.manual_seed(seed)
+        pact_config = pact_config.with_precision_plan(base, collator(train_rows[:batch_size]), precision_budget_mib)
+        kept = sum(p == "fp16" for p in pact_config.precision_plan.values())
+        total = len(pact_config.precision_plan)
+        _say(f"precision plan: {kept} of {total} linears fp16 within {precision_budget_mib} MiB")
     torch.manual_seed(seed)
     peft_model = get_peft_model(base, pact_config)
     checkpointing = (
@@ -253,9 +294,13 @@ def _finetune(
     trainer = PactTrainer(
         model=peft_model,
         args=args,
-        train_dataset=Dataset.from_list(tokenize_examples(tokenizer, train_items)),
-        data_collator=DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100),
+        train_dataset=Dataset.from_list(train_rows),
+        data_collator=collator,
     )
+    frozen = [m for m in peft_model.modules() if isinstance(m, FrozenLinear)]
+    backends = list({id(m.backend): m.backend for m in frozen}.values())
+    for b in backends:
+        b.counts.clear()
     resume = trainer.find_checkpoint() if background else None
     if resume is not None:
         _say(f"resuming from {resume}")
@@ -270,6 +315,10 @@ def _finetune(
             f"{resumable.last_checkpoint}; run the same command again to continue.",
             resumable.stop_signal,
         )
+    products: dict[str, int] = {}
+    for b in backends:
+        products[b.name] = products.get(b.name, 0) + b.counts["forward"] + b.counts["input_grad"]
+    guarded_rows = sum(b.counts["guarded_rows"] for b in backends)
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     session_steps = result.global_step - (resumable.resumed_from_step if resumable is not None else 0)
 
@@ -293,8 +342,11 @@ def _finetune(
         steps_per_second=session_steps / train_seconds,
         train_seconds=train_seconds,
         peak_rss_gib=peak_rss_bytes() / 2**30,
-        frozen_linears=sum(isinstance(m, FrozenLinear) for m in peft_model.modules()),
-        backend=backend,
+        frozen_linears=len(frozen),
+        backend=", ".join(sorted({b.name for b in backends})) + (" (auto)" if backend == "auto" else ""),
+        products=products,
+        fp16_linears=sum(m.precision == "fp16" for m in frozen),
+        guarded_rows=guarded_rows,
         adapter_dir=str(adapter_dir),
         background=extra,
     )

@@ -11,8 +11,9 @@ from pathlib import Path
 from peft import LoraConfig
 from torch import nn
 
-from optimum_pact.backends import BACKENDS
+from optimum_pact.backends import BACKEND_CHOICES
 from optimum_pact.dataflow import FrozenLinear
+from optimum_pact.precision.plan import PRECISIONS, check_plan
 
 from .layer import dispatch_pact
 
@@ -29,7 +30,32 @@ class PactConfig(LoraConfig):
     """
 
     backend: str = field(
-        default="torch", metadata={"help": f"Backend for the frozen-weight products: one of {', '.join(BACKENDS)}."}
+        default="torch",
+        metadata={
+            "help": f"Backend for the frozen-weight products: one of {', '.join(BACKEND_CHOICES)} ('auto' takes qnn "
+            "where a real QNN HTP starts, else torch)."
+        },
+    )
+    backend_options: dict | None = field(
+        default=None,
+        metadata={"help": "Keyword options of the backend, e.g. {'soc_model': '69'} for qnn (its Snapdragon SoC id)."},
+    )
+    overlap: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Run the adapter path on the CPU while the backend computes the frozen product. None: on for "
+            "backends other than torch (on the torch backend both would share the same cores)."
+        },
+    )
+    precision_plan: dict[str, str] | None = field(
+        default=None,
+        metadata={
+            "help": f"Per-layer precision, module name -> one of {', '.join(PRECISIONS)} (absent: nvfp4). Made by "
+            "`PactConfig.with_precision_plan` from the gradient-sensitivity probe; saved in pact_config.json."
+        },
+    )
+    precision_budget_mib: float | None = field(
+        default=None, metadata={"help": "The memory budget (MiB above all-NVFP4) the precision plan was made under."}
     )
     tile_size: int | None = field(
         default=None,
@@ -41,10 +67,21 @@ class PactConfig(LoraConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.backend not in BACKENDS:
+        if self.backend not in BACKEND_CHOICES:
             raise ValueError(
-                f"PactConfig.backend={self.backend!r} is not a known backend; choose one of {', '.join(BACKENDS)}."
+                f"PactConfig.backend={self.backend!r} is not a known backend; "
+                f"choose one of {', '.join(BACKEND_CHOICES)}."
             )
+        if self.backend_options is not None and (
+            not isinstance(self.backend_options, dict) or not all(isinstance(k, str) for k in self.backend_options)
+        ):
+            raise ValueError(
+                f"PactConfig.backend_options={self.backend_options!r} must be a dict of option name -> value, "
+                "e.g. {'soc_model': '69'}, or None."
+            )
+        check_plan(self.precision_plan, "PactConfig.precision_plan")
+        if self.overlap not in (None, True, False):
+            raise ValueError(f"PactConfig.overlap={self.overlap!r} must be True, False or None (backend default).")
         if self.tile_size is not None and (
             isinstance(self.tile_size, bool) or not isinstance(self.tile_size, int) or self.tile_size <= 0
         ):
@@ -57,6 +94,21 @@ class PactConfig(LoraConfig):
         # peft's documented hook for custom LoRA layers (`LoraConfig._register_custom_module`, private):
         # every targeted nn.Linear / FrozenLinear goes through `dispatch_pact`. Tested in tests/test_peft_ext.py.
         self._register_custom_module({nn.Linear: dispatch_pact, FrozenLinear: dispatch_pact})
+
+    def with_precision_plan(self, model: nn.Module, batch: dict, budget_mib: float, **probe_options) -> PactConfig:
+        """A copy of this config with a precision plan measured on `model` (unquantized) and a calibration `batch`.
+
+        Runs the gradient-sensitivity probe (`peft_ext.precision.probe_precision`) and keeps in fp16 the layers
+        whose NVFP4 weights move the adapter gradients most, as long as the extra memory stays within
+        `budget_mib`. `model` is returned to its original state.
+        """
+        from optimum_pact.precision import plan_precision
+
+        from .precision import probe_precision
+
+        sensitivities = probe_precision(model, batch, self, **probe_options)
+        plan = plan_precision(sensitivities, budget_mib)
+        return dataclasses.replace(self, precision_plan=plan, precision_budget_mib=budget_mib)
 
     @classmethod
     def pact_field_names(cls) -> tuple[str, ...]:

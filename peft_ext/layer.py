@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import logging
 
+import torch
 from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
+from optimum_pact.backends import get_backend
 from optimum_pact.dataflow import FrozenLinear
+from optimum_pact.dataflow.overlap import LoraFrozenProduct
 
 logger = logging.getLogger(__name__)
 
@@ -17,8 +20,38 @@ class PactLoraLinear(LoraLinear):
     """peft's `lora.Linear` whose base layer is a `FrozenLinear`.
 
     The base product (and its input gradient) runs on the PACT backend from the packed NVFP4 weight; the adapter
-    path `lora_B(lora_A(dropout(x))) * scaling` is peft's own, so adapter weights, names and files are plain LoRA.
+    path `lora_B(lora_A(dropout(x))) * scaling` is peft's, so adapter weights, names and files are plain LoRA.
+    With `PactConfig.overlap` (default: on for backends other than torch) a single vanilla adapter without dropout
+    runs through `LoraFrozenProduct`, which computes the adapter path on the CPU while the backend computes the
+    frozen product, forward and backward; anything else takes peft's own forward.
     """
+
+    def __init__(self, base_layer, adapter_name: str, config, **kwargs):
+        super().__init__(base_layer, adapter_name, config=config, **kwargs)
+        overlap = getattr(config, "overlap", None)
+        # by default the NPU's products overlap the CPU's adapter path; on the torch backend both share the cores
+        self.pact_overlap = base_layer.backend.name != "torch" if overlap is None else overlap
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        adapter = self._overlap_adapter(args, kwargs)
+        if adapter is None:
+            return super().forward(x, *args, **kwargs)
+        base = self.get_base_layer()
+        lora_a, lora_b = self.lora_A[adapter].weight, self.lora_B[adapter].weight
+        scaling = self.scaling[adapter]
+        return LoraFrozenProduct.apply(x, lora_a, lora_b, scaling, base.backend, base.handle, base.bias)
+
+    def _overlap_adapter(self, args, kwargs) -> str | None:
+        """The one active vanilla-LoRA adapter the overlapped path can run, or None (peft's own path)."""
+        if not self.pact_overlap or args or kwargs or self.disable_adapters or self.merged:
+            return None
+        active = [a for a in self.active_adapters if a in self.lora_A]
+        if len(active) != 1:
+            return None
+        (adapter,) = active
+        if adapter in self.lora_variant or not isinstance(self.lora_dropout[adapter], nn.Identity):
+            return None
+        return adapter
 
     def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
         if isinstance(module, FrozenLinear):
@@ -39,17 +72,26 @@ class PactLoraLinear(LoraLinear):
 def dispatch_pact(target: nn.Module, adapter_name: str, config, **kwargs) -> PactLoraLinear | None:
     """Wrap `target` (an `nn.Linear` or a `FrozenLinear`) with LoRA, quantizing an `nn.Linear` to NVFP4 first.
 
+    The layer's precision comes from `config.precision_plan` (by peft's `target_name`; absent means nvfp4).
     Returns None for a linear whose in_features is not a multiple of 16 (NVFP4 blocks): peft then gives it a plain
     LoRA layer on its full-precision weight, and the reason is logged.
     """
     base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
+    name = kwargs.get("target_name") or type(base).__name__
+    precision = (config.precision_plan or {}).get(name, "nvfp4")
     if isinstance(base, nn.Linear):
         if base.in_features % 16:
             logger.warning(
                 "PACT leaves %s unquantized: in_features=%d is not a multiple of 16 (NVFP4 block size).",
-                kwargs.get("target_name") or type(base).__name__,
+                name,
                 base.in_features,
             )
             return None
-        base = FrozenLinear.from_linear(base, backend=config.backend, tile_size=config.tile_size)
+        backend = get_backend(config.backend, tile_size=config.tile_size, **(config.backend_options or {}))
+        base = FrozenLinear.from_linear(base, backend=backend, precision=precision)
+    elif isinstance(base, FrozenLinear) and base.precision != precision:
+        raise ValueError(
+            f"PactConfig.precision_plan keeps {name} in {precision}, but the model was loaded with it already "
+            f"{base.precision}. Load the unquantized base model, or drop the layer from the plan."
+        )
     return PactLoraLinear(base, adapter_name, config=config, **kwargs)

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from optimum_pact.backends.qnn import is_qnn_available
 from optimum_pact.cli import main
 
 
@@ -24,8 +25,10 @@ def test_data_file_with_missing_field_is_a_clear_error(tmp_path, capsys):
 
 
 def test_unknown_backend_is_a_clear_error(capsys):
-    assert main(["finetune", "--backend", "npu"]) == 2
-    assert "backend='npu'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["finetune", "--backend", "npu"])
+    assert exit_info.value.code == 2
+    assert "--backend: invalid choice: 'npu'" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -52,3 +55,48 @@ def test_main_job_end_to_end(tmp_path):
     model = PeftModel.from_pretrained(base, out / "adapter")
     assert sum(isinstance(m, LoraLinear) for m in model.modules()) == 30 * 7
     assert (out / "adapter" / "pact_config.json").is_file()
+
+
+@pytest.fixture(scope="module")
+def small_model(tmp_path_factory):
+    """SmolLM2's tokenizer on a 2-block model of random weights: the main job's code path, in seconds."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from optimum_pact.default_model import ensure_default_model
+
+    folder = tmp_path_factory.mktemp("small_model")
+    tokenizer = AutoTokenizer.from_pretrained(ensure_default_model())
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_soc_model_without_qnn_is_a_clear_error(capsys):
+    assert main(["finetune", "--soc-model", "69"]) == 2
+    assert "--soc-model '69' applies to --backend qnn" in capsys.readouterr().err
+
+
+def test_main_job_with_a_precision_plan(small_model, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["finetune", "--model", str(small_model), "--output", str(out), "--max-steps", "3"]
+    assert main([*args, "--precision-budget-mib", "0.05", "--dtype", "float32"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["products"] == {"torch": 3 * (14 + 11)} and 0 < summary["fp16_linears"] < 14
+    plan = json.loads((out / "adapter" / "pact_config.json").read_text())["precision_plan"]
+    assert sum(p == "fp16" for p in plan.values()) == summary["fp16_linears"] and len(plan) == 14
+    assert "kept fp16 by the precision plan" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not is_qnn_available(), reason="needs onnxruntime-qnn (optimum-pact[qnn])")
+def test_main_job_on_qnn_runs_every_frozen_product_on_the_npu(small_model, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PACT_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "run"
+    args = ["finetune", "--model", str(small_model), "--output", str(out), "--max-steps", "2", "--backend", "qnn"]
+    assert main([*args, "--soc-model", "60"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["backend"] == "qnn" and summary["products"] == {"qnn": 2 * (14 + 11)}
+    assert "all on qnn" in capsys.readouterr().out

@@ -127,9 +127,10 @@ def test_every_node_of_every_graph_runs_on_qnn():
     x = torch.randn(2, 5, 64, requires_grad=True)
     layer(x).sum().backward()
     placement = qnn.graph_placement()
-    assert {("forward", 80, 64, 16), ("input_grad", 80, 64, 16)} <= set(placement)
-    for (product, n, k, bucket), placed in placement.items():
-        graph_ops = sorted(node.op_type for node in qnn_module.build_product_graph(product, n, k, bucket).graph.node)
+    assert {("forward", 80, 64, 16, "nvfp4"), ("input_grad", 80, 64, 16, "nvfp4")} <= set(placement)
+    for (product, n, k, bucket, weight_format), placed in placement.items():
+        graph = qnn_module.build_product_graph(product, n, k, bucket, weight_format).graph
+        graph_ops = sorted(node.op_type for node in graph.node)
         assert list(placed) == [QNN], f"{product} {n}x{k}: nodes placed on {list(placed)}"
         assert sorted(placed[QNN]) == graph_ops  # every node, the dequantizer included, on QNN
 
@@ -323,7 +324,7 @@ def test_corrupted_cache_entry_is_rebuilt_with_a_warning(tmp_path, caplog, damag
         y2 = backend.forward(x, backend.prepare(weight))
     assert "is corrupted" in caplog.text and "rebuilding it" in caplog.text
     assert torch.equal(y, y2)
-    assert backend.graph_placement()[("forward", 48, 64, 16)][QNN] != ["EPContext"]  # compiled again
+    assert backend.graph_placement()[("forward", 48, 64, 16, "nvfp4")][QNN] != ["EPContext"]  # compiled again
     qnn_module._runtime.cache_clear()
     caplog.clear()
     backend = get_backend("qnn", cache_dir=tmp_path)  # the rebuilt entry is sound

@@ -18,9 +18,12 @@ IOBinding per compiled graph; a call binds only the activation and the output. P
 the 512-byte scale table.
 
 Numerics: the graphs compute in fp16 on the HTP (HTP runs fp32 graphs at fp16 precision anyway). Inputs and weight
-are normalised by powers of two so that fp16 never over- or underflows on them: each activation (or gradient) row
-is divided by `2**floor(log2(row amax))`, the weight is stored scaled by `2**weight_exp` (largest |w| in [1, 2)),
-and the output is scaled back in fp32, exactly. Results come back in the input's dtype.
+are normalised by powers of two so that fp16 never over- or underflows on them: the weight is stored scaled by
+`2**weight_exp` (largest |w| in [1, 2)) and each activation (or gradient) row goes through the per-row range guard
+(`optimum_pact.precision.range_guard`): divided by `2**floor(log2(row amax))`, and further where the row's L1 norm
+could overflow an fp16 output (a *guarded* row, counted in `counts["guarded_rows"]`). The output is scaled back in
+fp32, exactly. Results come back in the input's dtype. A layer kept 16-bit by the precision plan is bound as one
+fp16 weight input instead of the dequantizer (`weight_format="fp16"`).
 
 Shapes: QNN HTP needs static shapes (a dynamic token dimension leaves MatMul unsupported), so the token dimension
 is padded with zeros to a power-of-two bucket (at least `min_tokens`); more than `max_tokens` tokens are run in
@@ -41,6 +44,7 @@ import logging
 import math
 import os
 import threading
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +53,7 @@ from typing import Any
 import torch
 
 from ..nvfp4 import BLOCK_SIZE, E2M1_VALUES, NVFP4Tensor
+from ..precision.range_guard import row_exponents, scale_rows, unscale_rows
 from .base import BackendUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -58,9 +63,12 @@ INSTALL_HINT = "pip install optimum-pact[qnn]"
 DEFAULT_SOC_MODEL = "60"
 OPSET = 21
 PRODUCTS = ("forward", "input_grad")
+WEIGHT_FORMATS = ("nvfp4", "fp16")
 # Activation input and output names of each product graph; the weight-side inputs are shared.
 _IO_NAMES = {"forward": ("x", "y"), "input_grad": ("dy", "dx")}
 WEIGHT_INPUTS = ("packed", "scale_bytes", "scale_table")
+# a 16-bit layer (kept in fp16 by the precision plan) has no dequantizer: the fp16 weight is the input
+DENSE_WEIGHT_INPUTS = ("weight",)
 # Keys the backend sets itself; `provider_options` may not override them.
 _RESERVED_OPTIONS = ("backend_type", "soc_model")
 
@@ -142,18 +150,21 @@ def _dequantizer(n: int, k: int) -> tuple[list, list]:
     return nodes, initializers
 
 
-def build_product_graph(product: str, n: int, k: int, tokens: int):
+def build_product_graph(product: str, n: int, k: int, tokens: int, weight_format: str = "nvfp4"):
     """The ONNX model of one frozen product for a weight [n, k] and `tokens` rows of activations (static shapes).
 
     `product="forward"`: y [tokens, n] = x [tokens, k] @ deq(W).T (Gemm transB=1); `"input_grad"`:
     dx [tokens, k] = dy [tokens, n] @ deq(W) (MatMul). Everything is fp16 except the uint8 weight inputs.
+    `weight_format="fp16"` takes the weight as one fp16 input [n, k] instead of the NVFP4 dequantizer.
     """
     if product not in PRODUCTS:
         raise ValueError(f"product={product!r} is not one of {PRODUCTS}.")
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format={weight_format!r} is not one of {WEIGHT_FORMATS}.")
     import onnx
     from onnx import TensorProto, helper
 
-    nodes, initializers = _dequantizer(n, k)
+    nodes, initializers = _dequantizer(n, k) if weight_format == "nvfp4" else ([], [])
     a, out = _IO_NAMES[product]
     if product == "forward":
         nodes.append(helper.make_node("Gemm", [a, "weight"], [out], transB=1))
@@ -162,14 +173,18 @@ def build_product_graph(product: str, n: int, k: int, tokens: int):
         nodes.append(helper.make_node("MatMul", [a, "weight"], [out]))
         width_in, width_out = n, k
     fp16, u8 = TensorProto.FLOAT16, TensorProto.UINT8
-    inputs = [
-        helper.make_tensor_value_info(a, fp16, [tokens, width_in]),
-        helper.make_tensor_value_info("packed", u8, [n, k // 2]),
-        helper.make_tensor_value_info("scale_bytes", u8, [n, k // BLOCK_SIZE]),
-        helper.make_tensor_value_info("scale_table", fp16, [256]),
-    ]
+    inputs = [helper.make_tensor_value_info(a, fp16, [tokens, width_in])]
+    if weight_format == "nvfp4":
+        inputs += [
+            helper.make_tensor_value_info("packed", u8, [n, k // 2]),
+            helper.make_tensor_value_info("scale_bytes", u8, [n, k // BLOCK_SIZE]),
+            helper.make_tensor_value_info("scale_table", fp16, [256]),
+        ]
+    else:
+        inputs.append(helper.make_tensor_value_info("weight", fp16, [n, k]))
     outputs = [helper.make_tensor_value_info(out, fp16, [tokens, width_out])]
-    graph = helper.make_graph(nodes, f"pact_{product}_{n}x{k}_t{tokens}", inputs, outputs, initializers)
+    name = f"pact_{product}_{n}x{k}_t{tokens}" + ("" if weight_format == "nvfp4" else f"_{weight_format}")
+    graph = helper.make_graph(nodes, name, inputs, outputs, initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="optimum-pact")
     model.ir_version = 10
     onnx.checker.check_model(model)
@@ -237,8 +252,10 @@ class QnnWeight:
 
     shape: tuple[int, int]
     weight_exp: int  # the stored weight is deq(W) * 2**weight_exp
-    tensors: tuple[torch.Tensor, ...]  # packed uint8, scale bytes uint8, scale table fp16 (aliased by the OrtValues)
+    tensors: tuple[torch.Tensor, ...]  # nvfp4: packed, scale bytes, scale table; fp16: the weight (aliased by values)
     values: dict[str, Any]  # input name -> OrtValue
+    absmax: float  # the largest |value| of the stored weight as the graph sees it (for the range guard)
+    format: str = "nvfp4"
     bindings: dict[tuple[str, int], Any] = field(default_factory=dict)  # (product, bucket) -> IOBinding
 
 
@@ -297,6 +314,7 @@ class QnnBackend:
             from .qnn_cache import default_cache_dir
 
             self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+        self.counts: Counter[str] = Counter()  # products run (`forward`, `input_grad`) and `guarded_rows`
         _probe(self.soc_model)
         self._runtime = _runtime(self.soc_model, tuple(sorted(options.items())), self.cache_dir)
 
@@ -304,9 +322,13 @@ class QnnBackend:
         """The padded token count a call with `tokens` rows (at most `max_tokens`) runs at."""
         return max(self.min_tokens, 1 << max(tokens - 1, 0).bit_length())
 
-    def prepare(self, weight: NVFP4Tensor) -> QnnWeight:
+    def prepare(self, weight: NVFP4Tensor | torch.Tensor) -> QnnWeight:
         from onnxruntime import OrtValue
 
+        if isinstance(weight, torch.Tensor):  # a 16-bit layer: bound as it is when it is fp16 (no copy)
+            dense = weight.detach().cpu().to(torch.float16).contiguous()
+            value = OrtValue.ortvalue_from_numpy(dense.numpy())
+            return QnnWeight(tuple(dense.shape), 0, (dense,), {"weight": value}, float(dense.abs().amax()), "fp16")
         n, k = weight.shape
         if k % BLOCK_SIZE:
             raise ValueError(f"NVFP4 weight of shape {(n, k)} has in_features not a multiple of {BLOCK_SIZE}.")
@@ -322,7 +344,8 @@ class QnnBackend:
         table = (combined * 2.0**weight_exp).to(torch.float16)  # exact power-of-two shift, then ONE rounding
         tensors = (packed, scale_bytes, table)
         values = {name: OrtValue.ortvalue_from_numpy(t.numpy()) for name, t in zip(WEIGHT_INPUTS, tensors)}
-        return QnnWeight((n, k), weight_exp, tensors, values)
+        absmax = largest * 2.0**weight_exp if math.isfinite(largest) else 0.0
+        return QnnWeight((n, k), weight_exp, tensors, values, absmax)
 
     def forward(self, x: torch.Tensor, handle: QnnWeight) -> torch.Tensor:
         return self._run("forward", x, handle)
@@ -330,8 +353,8 @@ class QnnBackend:
     def input_grad(self, dy: torch.Tensor, handle: QnnWeight) -> torch.Tensor:
         return self._run("input_grad", dy, handle)
 
-    def graph_placement(self) -> dict[tuple[str, int, int, int], dict[str, list[str]]]:
-        """For each compiled graph (product, N, K, bucket): execution provider -> the op types it runs.
+    def graph_placement(self) -> dict[tuple[str, int, int, int, str], dict[str, list[str]]]:
+        """For each compiled graph (product, N, K, bucket, weight format): execution provider -> its op types.
 
         A graph loaded from the cache is one `EPContext` node (the compiled QNN context) on the QNN EP.
         """
@@ -344,27 +367,26 @@ class QnnBackend:
             raise ValueError(
                 f"qnn {product}: the input's last dimension is {a.shape[-1]}, but the weight {n}x{k} needs {width_in}."
             )
+        self.counts[product] += 1
         lead = a.shape[:-1]
         flat = a.detach().reshape(-1, width_in)
         tokens = flat.shape[0]
         out = torch.empty(tokens, width_out, dtype=a.dtype, device=a.device)
         if tokens == 0:
             return out.reshape(*lead, width_out)
-        # each row (token) is scaled by its own power of two: its largest |value| lands in [1, 2), exactly
-        row_amax = flat.abs().amax(dim=1, keepdim=True).float().cpu()
-        exp = torch.frexp(row_amax).exponent - 1  # floor(log2(amax)) for finite amax > 0
-        exp = torch.where((row_amax > 0) & torch.isfinite(row_amax), exp, torch.zeros_like(exp))
-        one = torch.ones_like(row_amax)
-        inv_scale, back = torch.ldexp(one, -exp), torch.ldexp(one, exp - handle.weight_exp)
+        # the range guard: each row runs scaled by its own power of two (largest |value| in [1, 2), or lower where
+        # the row's L1 norm could overflow an fp16 output), scaled back exactly in fp32
+        exp, guarded = row_exponents(flat, handle.absmax, normalize=True)
+        self.counts["guarded_rows"] += guarded
         for t0 in range(0, tokens, self.max_tokens):
             rows = slice(t0, min(t0 + self.max_tokens, tokens))
             count = rows.stop - rows.start
             bucket = self.bucket(count)
             staged = torch.zeros(bucket, width_in, dtype=torch.float16)
-            staged[:count] = flat[rows].cpu().float() * inv_scale[rows]  # out of place: never scale the caller's x
+            staged[:count] = scale_rows(flat[rows].cpu(), exp[rows])  # out of place: never scale the caller's x
             result = torch.empty(bucket, width_out, dtype=torch.float16)
             self._runtime.run(product, handle, staged, result)
-            out[rows] = result[:count].float().mul_(back[rows])
+            out[rows] = unscale_rows(result[:count], exp[rows], -handle.weight_exp).to(out.device, out.dtype)
         return out.reshape(*lead, width_out)
 
 
@@ -373,17 +395,17 @@ class _Runtime:
 
     def __init__(self, soc_model: str, provider_options: tuple[tuple[str, str], ...], cache_dir: Path | None):
         self.soc_model, self.provider_options, self.cache_dir = soc_model, dict(provider_options), cache_dir
-        self.sessions: dict[tuple[str, int, int, int], Any] = {}
+        self.sessions: dict[tuple[str, int, int, int, str], Any] = {}
         self._lock = threading.Lock()
 
-    def session(self, product: str, n: int, k: int, bucket: int):
-        key = (product, n, k, bucket)
+    def session(self, product: str, n: int, k: int, bucket: int, weight_format: str = "nvfp4"):
+        key = (product, n, k, bucket, weight_format)
         session = self.sessions.get(key)
         if session is None:
             with self._lock:
                 session = self.sessions.get(key)
                 if session is None:
-                    model = build_product_graph(product, n, k, bucket)
+                    model = build_product_graph(product, n, k, bucket, weight_format)
                     if self.cache_dir is None:
                         session = make_session(model, self.soc_model, self.provider_options)
                     else:
@@ -399,7 +421,7 @@ class _Runtime:
 
         n, k = handle.shape
         bucket = staged.shape[0]
-        session = self.session(product, n, k, bucket)
+        session = self.session(product, n, k, bucket, handle.format)
         binding = handle.bindings.get((product, bucket))
         if binding is None:
             binding = session.io_binding()
@@ -411,7 +433,7 @@ class _Runtime:
         binding.bind_output(out, "cpu", 0, np.float16, tuple(result.shape), result.data_ptr())
         session.run_with_iobinding(binding)
 
-    def placement(self) -> dict[tuple[str, int, int, int], dict[str, list[str]]]:
+    def placement(self) -> dict[tuple[str, int, int, int, str], dict[str, list[str]]]:
         report = {}
         for key, session in list(self.sessions.items()):
             placed: dict[str, list[str]] = {}

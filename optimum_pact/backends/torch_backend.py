@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from ..nvfp4 import NVFP4Tensor, dequantize
@@ -15,6 +17,10 @@ class TorchBackend:
     Forward tiles split the output features and input-gradient tiles split the input features, never the
     reduction. One tile equals a dense matmul against `deq(W)` bit for bit; smaller tiles agree with it up to
     the accumulation order the BLAS kernel picks for each tile shape.
+
+    A 16-bit weight (a layer the precision plan keeps in fp16) is a plain tensor: no dequantization at all.
+    Products run in the input's dtype with the BLAS kernel's fp32 accumulation, so no range guard is needed here
+    (the NPU's fp16 graphs have one). `counts` tallies the products run (`forward`, `input_grad`).
     """
 
     name = "torch"
@@ -23,11 +29,22 @@ class TorchBackend:
         if tile_size is not None and (not isinstance(tile_size, int) or tile_size <= 0 or tile_size % 16):
             raise ValueError(f"tile_size must be None or a positive multiple of 16; got {tile_size!r}.")
         self.tile_size = tile_size
+        self.counts: Counter[str] = Counter()
 
-    def prepare(self, weight: NVFP4Tensor) -> NVFP4Tensor:
+    def prepare(self, weight: NVFP4Tensor | torch.Tensor) -> NVFP4Tensor | torch.Tensor:
         return weight
 
-    def forward(self, x: torch.Tensor, handle: NVFP4Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, handle: NVFP4Tensor | torch.Tensor) -> torch.Tensor:
+        self.counts["forward"] += 1
+        return self._forward(x, handle)
+
+    def input_grad(self, dy: torch.Tensor, handle: NVFP4Tensor | torch.Tensor) -> torch.Tensor:
+        self.counts["input_grad"] += 1
+        return self._input_grad(dy, handle)
+
+    def _forward(self, x: torch.Tensor, handle: NVFP4Tensor | torch.Tensor) -> torch.Tensor:
+        if isinstance(handle, torch.Tensor):
+            return x @ handle.to(x.dtype).t()
         n, k = handle.shape
         tile = self.tile_size or n
         if tile >= n:
@@ -39,7 +56,9 @@ class TorchBackend:
             out[..., rows] = x @ w.t()
         return out
 
-    def input_grad(self, dy: torch.Tensor, handle: NVFP4Tensor) -> torch.Tensor:
+    def _input_grad(self, dy: torch.Tensor, handle: NVFP4Tensor | torch.Tensor) -> torch.Tensor:
+        if isinstance(handle, torch.Tensor):
+            return dy @ handle.to(dy.dtype)
         n, k = handle.shape
         tile = self.tile_size or k
         if tile >= k:

@@ -9,6 +9,7 @@ from torch import nn
 
 from ..backends import Backend, get_backend
 from ..nvfp4 import NVFP4Tensor, quantize
+from ..precision.plan import PRECISIONS
 
 PACKED_NAMES = ("weight", "weight_scale", "weight_scale_2")  # ModelOpt checkpoint names
 
@@ -38,6 +39,10 @@ class FrozenLinear(nn.Module):
 
     Use `FrozenLinear.from_linear(linear)`; the state dict is the ModelOpt checkpoint layout, so a saved model
     reloads without quantizing again. The bias, if any, stays in the layer's dtype.
+
+    `precision="fp16"` keeps the weight 16-bit instead (a layer the precision plan found sensitive): one dense
+    `weight` buffer, no dequantization, the same backend products. It is fp16, or bf16 when the source layer is
+    bf16 and the backend is torch (bf16 is the faster CPU format; the NPU computes in fp16).
     """
 
     def __init__(
@@ -49,28 +54,41 @@ class FrozenLinear(nn.Module):
         tile_size: int | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        precision: str = "nvfp4",
+        weight_dtype: torch.dtype = torch.float16,
     ):
         super().__init__()
+        if precision not in PRECISIONS:
+            raise ValueError(f"FrozenLinear precision={precision!r} is not one of {PRECISIONS}.")
+        if precision == "fp16" and weight_dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"FrozenLinear weight_dtype={weight_dtype} must be torch.float16 or torch.bfloat16.")
         if in_features % 16:
             raise ValueError(
                 f"FrozenLinear needs in_features to be a multiple of 16; got {in_features}. "
                 "Leave this layer unquantized (exclude it from target_modules)."
             )
-        self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device))
-        self.register_buffer(
-            "weight_scale", torch.ones(out_features, in_features // 16, dtype=torch.float8_e4m3fn, device=device)
-        )
-        self.register_buffer("weight_scale_2", torch.ones((), dtype=torch.float32, device=device))
+        self.in_features, self.out_features, self.precision = in_features, out_features, precision
+        if precision == "fp16":
+            self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=weight_dtype, device=device))
+        else:
+            self.register_buffer(
+                "weight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8, device=device)
+            )
+            self.register_buffer(
+                "weight_scale", torch.ones(out_features, in_features // 16, dtype=torch.float8_e4m3fn, device=device)
+            )
+            self.register_buffer("weight_scale_2", torch.ones((), dtype=torch.float32, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), False) if bias else None
         self.backend = get_backend(backend, tile_size=tile_size) if isinstance(backend, str) else backend
         self._handle = None
 
     @classmethod
     def empty_like(
-        cls, linear: nn.Linear, backend: str | Backend = "torch", tile_size: int | None = None
+        cls, linear: nn.Linear, backend: str | Backend = "torch", tile_size: int | None = None, precision="nvfp4"
     ) -> FrozenLinear:
         """A FrozenLinear of `linear`'s shape, bias, dtype and device, with no weight loaded yet."""
+        backend_name = backend if isinstance(backend, str) else backend.name
+        bf16 = linear.weight.dtype == torch.bfloat16 and backend_name == "torch"
         return cls(
             linear.in_features,
             linear.out_features,
@@ -79,24 +97,33 @@ class FrozenLinear(nn.Module):
             tile_size=tile_size,
             dtype=linear.weight.dtype,
             device=linear.weight.device,
+            precision=precision,
+            weight_dtype=torch.bfloat16 if bf16 else torch.float16,
         )
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, backend: str | Backend = "torch", tile_size: int | None = None
+        cls, linear: nn.Linear, backend: str | Backend = "torch", tile_size: int | None = None, precision="nvfp4"
     ) -> FrozenLinear:
-        """Quantize `linear.weight` to NVFP4; the returned layer holds no floating copy of it."""
-        layer = cls.empty_like(linear, backend=backend, tile_size=tile_size)
-        layer.load_nvfp4(quantize(linear.weight.detach()))
+        """Quantize `linear.weight` to NVFP4 (or cast it to 16 bits for `precision="fp16"`); no other copy is kept."""
+        layer = cls.empty_like(linear, backend=backend, tile_size=tile_size, precision=precision)
+        if precision == "fp16":
+            layer.weight.copy_(linear.weight.detach())
+        else:
+            layer.load_nvfp4(quantize(linear.weight.detach()))
         if linear.bias is not None:
             layer.bias.data.copy_(linear.bias.detach())
         return layer
 
     @property
     def nvfp4(self) -> NVFP4Tensor:
+        if self.precision != "nvfp4":
+            raise AttributeError(f"this FrozenLinear holds a {self.precision} weight, not NVFP4.")
         return NVFP4Tensor(self.weight, self.weight_scale, self.weight_scale_2)
 
     def load_nvfp4(self, weight: NVFP4Tensor) -> None:
+        if self.precision != "nvfp4":
+            raise ValueError(f"load_nvfp4 on a FrozenLinear with precision={self.precision!r}.")
         if weight.shape != (self.out_features, self.in_features):
             raise ValueError(f"NVFP4 weight of shape {tuple(weight.shape)} does not fit {self}.")
         self.weight, self.weight_scale, self.weight_scale_2 = weight.qdata, weight.scale, weight.scale_2
@@ -104,18 +131,20 @@ class FrozenLinear(nn.Module):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The effective weight that every product uses (for merging and tests; never cached)."""
+        if self.precision == "fp16":
+            return self.weight.to(dtype)
         return self.nvfp4.dequantize(dtype)
 
     @property
     def handle(self) -> Any:
         if self._handle is None:
-            self._handle = self.backend.prepare(self.nvfp4)
+            self._handle = self.backend.prepare(self.weight if self.precision == "fp16" else self.nvfp4)
         return self._handle
 
     def _apply(self, fn, recurse=True):
         # `.to(dtype)` / `.half()` cast every floating buffer; the packed weight may move device but keeps its
         # dtypes (a bf16 scale_2 would change the effective weight).
-        packed = {name: getattr(self, name) for name in PACKED_NAMES}
+        packed = {name: getattr(self, name) for name in PACKED_NAMES if hasattr(self, name)}
         super()._apply(fn, recurse)
         for name, before in packed.items():
             after = getattr(self, name)
@@ -135,5 +164,5 @@ class FrozenLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-            f"format=nvfp4, backend={self.backend.name}"
+            f"format={self.precision}, backend={self.backend.name}"
         )

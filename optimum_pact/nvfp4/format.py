@@ -110,6 +110,12 @@ class NVFP4Tensor:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qdata, self.scale, self.scale_2))
 
+    def absmax(self) -> float:
+        """An upper bound of max |deq(W)|: the largest block scale times 6 (E2M1's largest magnitude)."""
+        if self.scale.numel() == 0:
+            return 0.0
+        return float(self.scale.float().abs().amax()) * float(self.scale_2) * F4_E2M1_MAX
+
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         from .kernels import dequantize
 

@@ -1,0 +1,105 @@
+"""Fused CPU side: does compiling the step's remaining CPU operators pay on this CPU? One fresh process per arm.
+
+The PACT step of SmolLM2-135M (real weights, bf16, batch 4 x seq 512, r=16 on all linears, torch backend) with
+its CPU operators eager vs fused by `torch.compile` (inductor, C++ codegen): every RMSNorm (upcast, mean of
+squares, rsqrt, scale, downcast: five kernels -> one) and every MLP activation `act(gate) * up` (two -> one), forward
+and backward. The frozen products and attention (SDPA, already fused) are untouched. Arms run interleaved as fresh
+processes, eager twice (noise floor). Prints one JSON line: median step times and the ratio fused / eager.
+
+    python benchmarks/bench_fused_cpu.py [--steps 3] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+ARMS = ("eager", "fused", "eager_dup")
+
+
+def fuse_cpu_ops(model) -> int:
+    """Compile each RMSNorm and each MLP's activation product in place; returns how many modules were fused."""
+    import torch
+
+    fused = 0
+    for module in model.modules():
+        name = type(module).__name__
+        if name.endswith("RMSNorm"):
+            module.forward = torch.compile(module.forward, dynamic=False)
+            fused += 1
+        elif name.endswith("MLP") and hasattr(module, "act_fn"):
+            act = module.act_fn
+            gated = torch.compile(lambda g, u, act=act: act(g) * u, dynamic=False)
+
+            def forward(x, m=module, gated=gated):
+                return m.down_proj(gated(m.gate_proj(x), m.up_proj(x)))
+
+            module.forward = forward
+            fused += 1
+    return fused
+
+
+def run_arm(arm: str, steps: int, batch: int, seq: int) -> dict:
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from optimum_pact.default_model import ensure_default_model
+    from peft_ext import PactConfig
+
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_pretrained(str(ensure_default_model()), dtype=torch.bfloat16)
+    model = get_peft_model(base, PactConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+    fused = fuse_cpu_ops(model) if arm == "fused" else 0
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq))
+    times = []
+    for i in range(steps + 1):  # the first step warms up (and compiles)
+        start = time.perf_counter()
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if i:
+            times.append(time.perf_counter() - start)
+    return {"arm": arm, "step_s": statistics.median(times), "fused_modules": fused}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--arm", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.arm:
+        print(json.dumps(run_arm(args.arm, args.steps, args.batch, args.seq)))
+        return
+    times = {arm: [] for arm in ARMS}
+    for _ in range(args.rounds):
+        for arm in ARMS:
+            cmd = [sys.executable, __file__, "--arm", arm, "--steps", str(args.steps)]
+            cmd += ["--batch", str(args.batch), "--seq", str(args.seq)]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+            times[arm].append(json.loads(out.strip().splitlines()[-1])["step_s"])
+    med = {arm: statistics.median(t) for arm, t in times.items()}
+    print(
+        json.dumps(
+            {
+                "bench": "fused_cpu",
+                **{f"{arm}_step_s": round(t, 3) for arm, t in med.items()},
+                "fused_vs_eager": round(med["fused"] / med["eager"], 3),
+                "noise_ratio": round(med["eager_dup"] / med["eager"], 3),
+                "runs": times,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""One LoRA layer whose frozen product runs on the backend while the CPU computes the adapter path.
+
+`LoraFrozenProduct` computes `base(x) + bias + (x @ A.T @ B.T) * scaling` (peft's vanilla LoRA, same dtypes and
+rounding) and its backward. In forward, the backend's `x @ deq(W).T` is submitted to a worker thread first, then the
+CPU computes the adapter product; in backward, the backend's `dy @ deq(W)` runs in the worker while the CPU computes
+both adapter gradients and the adapter's input gradient. ONNX Runtime (and torch's kernels) release the GIL, so the
+two really run at once. Nothing extra is saved: `x` and `x @ A.T` are what peft's own path saves for the adapter.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+_executor: ThreadPoolExecutor | None = None
+
+
+def _worker() -> ThreadPoolExecutor:
+    global _executor
+    if _executor is None:
+        _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pact-backend")
+    return _executor
+
+
+class LoraFrozenProduct(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, lora_a, lora_b, scaling: float, backend, handle: Any, bias: torch.Tensor | None):
+        base = _worker().submit(backend.forward, x.detach(), handle)
+        xa = x.to(lora_a.dtype)
+        h = xa @ lora_a.t()
+        lora = (h @ lora_b.t()) * scaling
+        result = base.result()
+        if bias is not None:
+            result = result + bias.to(result.dtype)
+        ctx.backend, ctx.handle, ctx.scaling, ctx.x_dtype = backend, handle, scaling, x.dtype
+        ctx.save_for_backward(xa, h, lora_a, lora_b)
+        return (result + lora).to(result.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        xa, h, lora_a, lora_b = ctx.saved_tensors
+        dy = dy.contiguous()
+        base = _worker().submit(ctx.backend.input_grad, dy, ctx.handle) if ctx.needs_input_grad[0] else None
+        g = dy.to(lora_b.dtype) * ctx.scaling
+        gh = g @ lora_b  # [..., r]
+        grad_b = g.reshape(-1, g.shape[-1]).t() @ h.reshape(-1, h.shape[-1]) if ctx.needs_input_grad[2] else None
+        grad_a = gh.reshape(-1, gh.shape[-1]).t() @ xa.reshape(-1, xa.shape[-1]) if ctx.needs_input_grad[1] else None
+        dx = None
+        if base is not None:
+            dx_lora = (gh @ lora_a).to(ctx.x_dtype)
+            dx = base.result() + dx_lora
+        return dx, grad_a, grad_b, None, None, None, None

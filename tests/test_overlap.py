@@ -1,0 +1,97 @@
+"""The overlapped LoRA layer: the backend's frozen product in a worker thread beside the CPU's adapter path."""
+
+import threading
+
+import pytest
+import torch
+from conftest import tiny_model, train_lm
+from peft import get_peft_model
+
+from optimum_pact.backends import qnn as qnn_module
+from optimum_pact.backends.torch_backend import TorchBackend
+from optimum_pact.dataflow import FrozenLinear
+from peft_ext import PactConfig
+from peft_ext.layer import PactLoraLinear
+
+
+def _grads(model, ids):
+    model.zero_grad()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_overlapped_layer_equals_peft_path(arch, dtype):
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for overlap in (False, True):
+        config = PactConfig(r=4, target_modules="all-linear", init_lora_weights="gaussian", overlap=overlap)
+        model = get_peft_model(tiny_model(arch).to(dtype), config)
+        assert all(m.pact_overlap is overlap for m in model.modules() if isinstance(m, PactLoraLinear))
+        runs[overlap] = _grads(model, ids)
+    (loss_a, grads_a), (loss_b, grads_b) = runs[False], runs[True]
+    torch.testing.assert_close(loss_b, loss_a, atol=0, rtol=0)
+    assert grads_a.keys() == grads_b.keys() and len(grads_a) == 28
+    for name in grads_a:  # same products, same dtypes: equal up to the order BLAS accumulates the adapter grads
+        torch.testing.assert_close(grads_b[name], grads_a[name], atol=1e-6, rtol=1e-5 if dtype == torch.float32 else 0)
+
+
+class RecordingBackend(TorchBackend):
+    """The torch backend, noting which thread ran each product."""
+
+    def __init__(self):
+        super().__init__()
+        self.threads = set()
+
+    def forward(self, x, handle):
+        self.threads.add(threading.current_thread().name)
+        return super().forward(x, handle)
+
+    def input_grad(self, dy, handle):
+        self.threads.add(threading.current_thread().name)
+        return super().input_grad(dy, handle)
+
+
+def test_frozen_products_run_in_the_backend_thread_and_training_learns():
+    model = get_peft_model(tiny_model("llama"), PactConfig(r=4, target_modules="all-linear", overlap=True))
+    backend = RecordingBackend()
+    for m in model.modules():
+        if isinstance(m, FrozenLinear):
+            m.backend, m._handle = backend, None
+    losses = train_lm(model, steps=20)
+    assert losses[-1] < losses[0] - 0.5
+    assert backend.threads == {"pact-backend_0"} and backend.counts["forward"] == 14 * 20
+    # block 0's q/k/v read the embeddings, which need no gradient: their input gradient is rightly never computed
+    assert backend.counts["input_grad"] == 11 * 20
+
+
+def test_overlap_defaults_follow_the_backend_and_dropout_takes_peft_path():
+    model = get_peft_model(tiny_model("llama"), PactConfig(r=4, target_modules=["q_proj"]))
+    layer = next(m for m in model.modules() if isinstance(m, PactLoraLinear))
+    assert layer.pact_overlap is False  # torch backend: the CPU would compete with itself
+    model = get_peft_model(
+        tiny_model("llama"), PactConfig(r=4, target_modules=["q_proj"], lora_dropout=0.1, overlap=True)
+    )
+    layer = next(m for m in model.modules() if isinstance(m, PactLoraLinear))
+    assert layer._overlap_adapter((), {}) is None
+    with pytest.raises(ValueError, match="overlap='yes'"):
+        PactConfig(overlap="yes")
+
+
+@pytest.mark.skipif(not qnn_module.is_qnn_available(), reason="needs onnxruntime-qnn (optimum-pact[qnn])")
+def test_qnn_overlaps_by_default_and_matches_the_sequential_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("PACT_CACHE", str(tmp_path))
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    runs = {}
+    for overlap in (None, False):
+        config = PactConfig(
+            r=4, target_modules="all-linear", backend="qnn", init_lora_weights="gaussian", overlap=overlap
+        )
+        model = get_peft_model(tiny_model("llama"), config)
+        layers = [m for m in model.modules() if isinstance(m, PactLoraLinear)]
+        assert all(m.pact_overlap is (overlap is None) for m in layers)
+        runs[overlap] = _grads(model, ids)
+    torch.testing.assert_close(runs[None][0], runs[False][0], atol=0, rtol=0)
+    for name, grad in runs[False][1].items():
+        torch.testing.assert_close(runs[None][1][name], grad, atol=1e-6, rtol=1e-5)
