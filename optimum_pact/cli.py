@@ -35,6 +35,16 @@ def _finetune_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="compute dtype")
     p.add_argument("--seed", type=int, default=0)
+    q = p.add_argument_group("AQLoRA", "keep the layers 4 bits hurt most 16-bit (faster: no dequantization)")
+    q.add_argument("--protect-fraction", type=float, default=0.0, help="fraction of linears kept 16-bit, e.g. 0.2")
+    q.add_argument("--rank-by", default="nvfp4", choices=("nvfp4", "nf4"), help="format whose error ranks layers")
+    q.add_argument(
+        "--adapt",
+        default="quality",
+        choices=("quality", "speed"),
+        help="quality: adapt every linear; speed: only the top blocks, so backward stops early",
+    )
+    q.add_argument("--adapt-top-blocks", type=int, help="--adapt speed: how many top blocks (default: top half)")
     b = p.add_argument_group(
         "background job",
         "run at night, on the charger, killable at any moment: re-running the same command continues where it "

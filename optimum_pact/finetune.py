@@ -51,7 +51,7 @@ class FinetuneSummary:
         return out
 
     def _linears(self) -> str:
-        fp16 = f" ({self.fp16_linears} kept fp16 by the precision plan)" if self.fp16_linears else ""
+        fp16 = f" ({self.fp16_linears} kept 16-bit: precision plan, AQLoRA)" if self.fp16_linears else ""
         return f"{self.frozen_linears} NVFP4-base linears{fp16} on the {self.backend} backend"
 
     def _products(self) -> str:
@@ -153,6 +153,10 @@ def finetune(
     backend: str = "torch",
     soc_model: str | None = None,
     precision_budget_mib: float | None = None,
+    protect_fraction: float = 0.0,
+    adapt: str = "quality",
+    adapt_top_blocks: int | None = None,
+    rank_by: str = "nvfp4",
     r: int = 8,
     lora_alpha: int = 16,
     learning_rate: float = 2e-3,
@@ -196,6 +200,8 @@ def finetune(
         return _finetune(
             model, data, output, backend, r, lora_alpha, learning_rate, epochs, max_steps, batch_size, dtype, seed,
             soc_model=soc_model, precision_budget_mib=precision_budget_mib,
+            aqlora={"protect_fraction": protect_fraction, "adapt": adapt, "adapt_top_blocks": adapt_top_blocks,
+                    "rank_by": rank_by},
             background=background, thermal_limit=thermal_limit, duty_cycle=duty_cycle,
             only_while_charging=only_while_charging, min_battery=min_battery, sysfs_root=sysfs_root, **settings,
         )  # fmt: skip
@@ -203,7 +209,7 @@ def finetune(
 
 def _finetune(
     model, data, output, backend, r, lora_alpha, learning_rate, epochs, max_steps, batch_size, dtype, seed, *,
-    soc_model, precision_budget_mib, background, thermal_limit, duty_cycle, only_while_charging, min_battery,
+    soc_model, precision_budget_mib, aqlora, background, thermal_limit, duty_cycle, only_while_charging, min_battery,
     sysfs_root, save_steps, save_minutes, keep_checkpoints,
 ) -> FinetuneSummary:  # fmt: skip
     from datasets import Dataset
@@ -238,9 +244,17 @@ def _finetune(
         raise ValueError(f"--precision-budget-mib {precision_budget_mib!r} must be a number of MiB >= 0.")
     train_items, heldout_items = load_personal_dataset(data)  # validate the data before any slow work
     backend_options = None if soc_model is None else {"soc_model": soc_model}
-    pact_config = PactConfig(
-        r=r, lora_alpha=lora_alpha, target_modules="all-linear", backend=backend, backend_options=backend_options
-    )
+    options = {"--protect-fraction": "protect_fraction", "--adapt": "adapt", "--adapt-top-blocks": "adapt_top_blocks"}
+    try:
+        pact_config = PactConfig(
+            r=r, lora_alpha=lora_alpha, target_modules="all-linear", backend=backend, backend_options=backend_options,
+            **aqlora,
+        )  # fmt: skip
+    except (TypeError, ValueError) as err:
+        message = str(err)
+        for flag, name in options.items():
+            message = message.replace(f"PactConfig.{name}", flag)
+        raise ValueError(message) from None
     # a backend that cannot start (qnn without onnxruntime-qnn, an unknown soc_model) fails before slow work
     get_backend(backend, **(backend_options or {}))
     model_path = resolve_model(model)
@@ -364,6 +378,16 @@ def signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
+def _card_value(value):
+    """Long plans and lists shown by their size on the model card (the full values are in pact_config.json)."""
+    if isinstance(value, dict) and len(value) > 4:
+        kinds = {v: list(value.values()).count(v) for v in sorted(set(value.values()))}
+        return ", ".join(f"{n} {kind}" for kind, n in kinds.items()) + " (see pact_config.json)"
+    if isinstance(value, list) and len(value) > 4:
+        return f"{len(value)} modules (see pact_config.json)"
+    return value
+
+
 def _write_model_card(adapter_dir: Path, model: str | None, pact_config, args, summary: FinetuneSummary) -> None:
     """README.md in the adapter folder: base model, PACT settings and the measured metrics (Hub model card)."""
     from trainer_callbacks import write_model_card
@@ -373,7 +397,7 @@ def _write_model_card(adapter_dir: Path, model: str | None, pact_config, args, s
         "LoRA rank (r)": pact_config.r,
         "lora_alpha": pact_config.lora_alpha,
         "target_modules": "all-linear",
-        **{f"PactConfig.{k}": v for k, v in pact_config.pact_dict().items()},
+        **{f"PactConfig.{k}": _card_value(v) for k, v in pact_config.pact_dict().items()},
         "frozen NVFP4 linears": summary.frozen_linears,
         "learning rate": args.learning_rate,
         "epochs": args.num_train_epochs,

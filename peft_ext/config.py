@@ -16,8 +16,10 @@ from optimum_pact.dataflow import FrozenLinear
 from optimum_pact.precision.plan import PRECISIONS, check_plan
 
 from .layer import dispatch_pact
+from .protection import check_protect_fraction, check_rank_by
 
 PACT_CONFIG_NAME = "pact_config.json"
+ADAPT_CHOICES = ("quality", "speed")
 
 
 @dataclass
@@ -57,6 +59,30 @@ class PactConfig(LoraConfig):
     precision_budget_mib: float | None = field(
         default=None, metadata={"help": "The memory budget (MiB above all-NVFP4) the precision plan was made under."}
     )
+    protect_fraction: float = field(
+        default=0.0,
+        metadata={
+            "help": "AQLoRA: the fraction of targeted linears with the largest 4-bit reconstruction error kept 16-bit "
+            "(no dequantization), e.g. 0.2. 0 protects none."
+        },
+    )
+    rank_by: str = field(
+        default="nvfp4", metadata={"help": "AQLoRA ranking format: 'nvfp4' (PACT's base) or 'nf4' (bitsandbytes)."}
+    )
+    adapt: str = field(
+        default="quality",
+        metadata={
+            "help": "'quality' adapts every targeted linear; 'speed' only those in the top adapt_top_blocks blocks, "
+            "so the backward pass stops below them."
+        },
+    )
+    adapt_top_blocks: int | None = field(
+        default=None, metadata={"help": "adapt='speed': how many top blocks get adapters (None: the top half)."}
+    )
+    protected_modules: list[str] | None = field(
+        default=None,
+        metadata={"help": "The linears AQLoRA kept 16-bit (written by get_peft_model; reused when given)."},
+    )
     tile_size: int | None = field(
         default=None,
         metadata={
@@ -80,6 +106,22 @@ class PactConfig(LoraConfig):
                 "e.g. {'soc_model': '69'}, or None."
             )
         check_plan(self.precision_plan, "PactConfig.precision_plan")
+        check_protect_fraction(self.protect_fraction, "PactConfig.protect_fraction")
+        check_rank_by(self.rank_by, "PactConfig.rank_by")
+        if self.adapt not in ADAPT_CHOICES:
+            raise ValueError(f"PactConfig.adapt={self.adapt!r} must be one of {', '.join(map(repr, ADAPT_CHOICES))}.")
+        if self.adapt_top_blocks is not None and (
+            isinstance(self.adapt_top_blocks, bool) or not isinstance(self.adapt_top_blocks, int)
+            or self.adapt_top_blocks < 1
+        ):  # fmt: skip
+            raise ValueError(
+                f"PactConfig.adapt_top_blocks={self.adapt_top_blocks!r} must be a positive number of blocks or None."
+            )
+        if self.adapt_top_blocks is not None and self.adapt != "speed":
+            raise ValueError(
+                f"PactConfig.adapt_top_blocks={self.adapt_top_blocks} applies to adapt='speed'; set adapt='speed' "
+                "or drop adapt_top_blocks."
+            )
         if self.overlap not in (None, True, False):
             raise ValueError(f"PactConfig.overlap={self.overlap!r} must be True, False or None (backend default).")
         if self.tile_size is not None and (
@@ -120,10 +162,18 @@ class PactConfig(LoraConfig):
         return {name: getattr(self, name) for name in self.pact_field_names()}
 
     def to_dict(self) -> dict:
-        """The LoRA fields only: `adapter_config.json` stays the plain PEFT format."""
+        """The LoRA fields only: `adapter_config.json` stays the plain PEFT format.
+
+        With adapt="speed" after `get_peft_model`, `layers_to_transform` / `layers_pattern` name the adapted blocks,
+        so stock peft puts adapters exactly where they were trained.
+        """
         out = super().to_dict()
         for name in self.pact_field_names():
             out.pop(name, None)
+        out.pop("_pact_pending", None)
+        speed = self.__dict__.get("_pact_speed_blocks")
+        if speed is not None:
+            out["layers_pattern"], out["layers_to_transform"] = speed
         return out
 
     def save_pretrained(self, save_directory: str, **kwargs) -> None:
@@ -149,4 +199,6 @@ class PactConfig(LoraConfig):
                     "Upgrade optimum-pact or remove them."
                 )
             values.update(pact)
+            if pact.get("adapt") == "speed":  # PACT derives the adapted blocks itself, quantizing the ones below
+                values["layers_to_transform"], values["layers_pattern"] = None, None
         return cls(**values)

@@ -13,6 +13,8 @@ from optimum_pact.backends import get_backend
 from optimum_pact.dataflow import FrozenLinear
 from optimum_pact.dataflow.overlap import LoraFrozenProduct
 
+from .aqlora import PendingLayers, needs_whole_model
+
 logger = logging.getLogger(__name__)
 
 
@@ -27,10 +29,22 @@ class PactLoraLinear(LoraLinear):
     """
 
     def __init__(self, base_layer, adapter_name: str, config, **kwargs):
+        self.pact_pending = None  # an AQLoRA group this layer waits in (peft_ext.aqlora), until it is finalized
         super().__init__(base_layer, adapter_name, config=config, **kwargs)
-        overlap = getattr(config, "overlap", None)
-        # by default the NPU's products overlap the CPU's adapter path; on the torch backend both share the cores
-        self.pact_overlap = base_layer.backend.name != "torch" if overlap is None else overlap
+        self._pact_overlap_option = getattr(config, "overlap", None)
+
+    @property
+    def pact_overlap(self) -> bool:
+        """Whether the overlapped path runs: `PactConfig.overlap`, by default on for backends other than torch."""
+        if self._pact_overlap_option is not None:
+            return self._pact_overlap_option
+        backend = getattr(self.get_base_layer(), "backend", None)  # the CPU would compete with itself on torch
+        return backend is not None and backend.name != "torch"
+
+    def set_adapter(self, adapter_names, inference_mode: bool = False) -> None:
+        super().set_adapter(adapter_names, inference_mode=inference_mode)
+        if self.pact_pending is not None:  # peft activates adapters once every layer is injected: finalize AQLoRA
+            self.pact_pending.finalize()
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         adapter = self._overlap_adapter(args, kwargs)
@@ -44,6 +58,8 @@ class PactLoraLinear(LoraLinear):
     def _overlap_adapter(self, args, kwargs) -> str | None:
         """The one active vanilla-LoRA adapter the overlapped path can run, or None (peft's own path)."""
         if not self.pact_overlap or args or kwargs or self.disable_adapters or self.merged:
+            return None
+        if not isinstance(self.get_base_layer(), FrozenLinear):
             return None
         active = [a for a in self.active_adapters if a in self.lora_A]
         if len(active) != 1:
@@ -87,6 +103,13 @@ def dispatch_pact(target: nn.Module, adapter_name: str, config, **kwargs) -> Pac
                 base.in_features,
             )
             return None
+        if needs_whole_model(config):  # AQLoRA ranks all targeted layers first: quantized when peft is done
+            group = config.__dict__.setdefault("_pact_pending", {}).get(adapter_name)
+            if group is None or group.done:
+                group = config._pact_pending[adapter_name] = PendingLayers(config, adapter_name)
+            layer = PactLoraLinear(base, adapter_name, config=config, **kwargs)
+            group.add(name, layer)
+            return layer
         backend = get_backend(config.backend, tile_size=config.tile_size, **(config.backend_options or {}))
         base = FrozenLinear.from_linear(base, backend=backend, precision=precision)
     elif isinstance(base, FrozenLinear) and base.precision != precision:

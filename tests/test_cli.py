@@ -88,7 +88,7 @@ def test_main_job_with_a_precision_plan(small_model, tmp_path, capsys):
     assert summary["products"] == {"torch": 3 * (14 + 11)} and 0 < summary["fp16_linears"] < 14
     plan = json.loads((out / "adapter" / "pact_config.json").read_text())["precision_plan"]
     assert sum(p == "fp16" for p in plan.values()) == summary["fp16_linears"] and len(plan) == 14
-    assert "kept fp16 by the precision plan" in capsys.readouterr().out
+    assert "kept 16-bit" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(not is_qnn_available(), reason="needs onnxruntime-qnn (optimum-pact[qnn])")
@@ -100,3 +100,19 @@ def test_main_job_on_qnn_runs_every_frozen_product_on_the_npu(small_model, tmp_p
     summary = json.loads((out / "summary.json").read_text())
     assert summary["backend"] == "qnn" and summary["products"] == {"qnn": 2 * (14 + 11)}
     assert "all on qnn" in capsys.readouterr().out
+
+
+def test_main_job_with_aqlora_speed(small_model, tmp_path):
+    out = tmp_path / "run"
+    args = ["finetune", "--model", str(small_model), "--output", str(out), "--max-steps", "3", "--dtype", "float32"]
+    assert main([*args, "--protect-fraction", "0.2", "--adapt", "speed", "--adapt-top-blocks", "1"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["fp16_linears"] == 3 and summary["frozen_linears"] == 14
+    pact = json.loads((out / "adapter" / "pact_config.json").read_text())
+    assert pact["adapt"] == "speed" and len(pact["protected_modules"]) == 3
+    assert json.loads((out / "adapter" / "adapter_config.json").read_text())["layers_to_transform"] == [1]
+
+
+def test_bad_aqlora_option_is_a_clear_cli_error(capsys):
+    assert main(["finetune", "--protect-fraction", "1.5"]) == 2
+    assert "--protect-fraction=1.5 is outside the valid range [0, 1]" in capsys.readouterr().err

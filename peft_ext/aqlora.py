@@ -1,0 +1,139 @@
+"""AQLoRA inside `get_peft_model`: protection by reconstruction error and the speed setting, from PactConfig alone.
+
+Both need the whole set of targeted linears (a ranking; the block count), but peft dispatches one layer at a time.
+So with `protect_fraction > 0` or `adapt="speed"`, `dispatch_pact` wraps each targeted `nn.Linear` as it is and
+registers it here; when peft has injected every layer it activates the adapter on all of them
+(`PactLoraLinear.set_adapter`), and the first such call finalizes the group:
+
+1. rank the registered linears by `rank_by` reconstruction error (or take `PactConfig.protected_modules` as saved)
+   and keep the worst `protect_fraction` 16-bit (`FrozenLinear(precision="fp16")`: no dequantization);
+2. quantize every other one to NVFP4 (`FrozenLinear`), honouring a precision plan;
+3. speed setting: delete the adapters below the top `adapt_top_blocks` blocks (their linears stay NVFP4) and, at
+   the model's first forward, cut the backward pass below the lowest adapted block (`stop_backward_below`, which
+   also defeats the input-embedding `requires_grad` hooks that gradient checkpointing adds).
+
+The chosen list is written back to `PactConfig.protected_modules` (saved in pact_config.json, reused on reload).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from optimum_pact.backends import get_backend
+from optimum_pact.dataflow import FrozenLinear
+from optimum_pact.nvfp4 import BLOCK_SIZE
+
+from .protection import block_index, choose_protected, default_top_blocks, reconstruction_error, stop_backward_below
+
+logger = logging.getLogger(__name__)
+
+
+def needs_whole_model(config) -> bool:
+    return bool(getattr(config, "protect_fraction", 0.0)) or getattr(config, "adapt", "quality") == "speed"
+
+
+class PendingLayers:
+    """The targeted linears of one `get_peft_model` call, waiting for the whole-model view."""
+
+    def __init__(self, config, adapter_name: str):
+        self.config, self.adapter_name = config, adapter_name
+        self.layers: dict[str, nn.Module] = {}  # peft target_name -> PactLoraLinear over its nn.Linear
+        self.done = False
+
+    def add(self, name: str, layer: nn.Module) -> None:
+        self.layers[name] = layer
+        layer.pact_pending = self
+
+    def finalize(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        config = self.config
+        protected = self._protected()
+        cutoff = self._speed_cutoff()
+        backend = get_backend(config.backend, tile_size=config.tile_size, **(config.backend_options or {}))
+        plan = config.precision_plan or {}
+        for name, layer in self.layers.items():
+            linear = layer.get_base_layer()
+            if linear.in_features % BLOCK_SIZE == 0:
+                precision = "fp16" if name in protected else plan.get(name, "nvfp4")
+                layer.base_layer = FrozenLinear.from_linear(linear, backend=backend, precision=precision)
+            if cutoff is not None and (block_index(name) is None or block_index(name) < cutoff):
+                layer.delete_adapter(self.adapter_name)
+            layer.pact_pending = None
+        config.protected_modules = protected
+        if cutoff is not None:
+            n = max(block_index(name) for name in self.layers if block_index(name) is not None) + 1
+            pattern = _blocks_pattern(next(name for name in self.layers if block_index(name) is not None))
+            config.__dict__["_pact_speed_blocks"] = (pattern, list(range(cutoff, n)))
+            lowest = next(iter(self.layers.values()))
+            _stop_backward_at_first_forward(lowest, cutoff)
+        logger.info(
+            "AQLoRA: %d of %d linears kept 16-bit (%s error)%s.",
+            len(protected),
+            len(self.layers),
+            config.rank_by,
+            "" if cutoff is None else f"; adapters on blocks {cutoff} and above",
+        )
+        config.__dict__.get("_pact_pending", {}).pop(self.adapter_name, None)  # a deepcopy must not copy layers
+        self.layers = {}
+
+    def _protected(self) -> list[str]:
+        config = self.config
+        if config.protected_modules is not None:
+            unknown = sorted(set(config.protected_modules) - set(self.layers))
+            if unknown:
+                raise ValueError(
+                    f"PactConfig.protected_modules names modules that are not targeted linears: {unknown[:5]}. "
+                    "Use the list saved with this model's adapter, or protected_modules=None to rank again."
+                )
+            return list(config.protected_modules)
+        ranking = [
+            (name, reconstruction_error(layer.get_base_layer().weight, config.rank_by))
+            for name, layer in self.layers.items()
+            if layer.get_base_layer().in_features % BLOCK_SIZE == 0
+        ]
+        return choose_protected(ranking, config.protect_fraction)
+
+    def _speed_cutoff(self) -> int | None:
+        config = self.config
+        if config.adapt != "speed":
+            return None
+        blocks = [block_index(name) for name in self.layers if block_index(name) is not None]
+        if not blocks:
+            raise ValueError("PactConfig(adapt='speed') found no targeted linear inside numbered decoder blocks.")
+        n = max(blocks) + 1
+        top = default_top_blocks(n) if config.adapt_top_blocks is None else config.adapt_top_blocks
+        if top > n:
+            raise ValueError(
+                f"PactConfig.adapt_top_blocks={top} is larger than the model's {n} decoder blocks; "
+                f"use a number from 1 to {n} (or None for the default, {default_top_blocks(n)})."
+            )
+        return n - top
+
+
+def _blocks_pattern(name: str) -> str:
+    """The block list's name in a module name (`model.layers.3.mlp.up_proj` -> `layers`): peft's layers_pattern."""
+    parts = name.split(".")
+    return parts[next(i for i, part in enumerate(parts) if part.isdigit()) - 1]
+
+
+def _stop_backward_at_first_forward(layer: nn.Module, cutoff: int) -> None:
+    """Install `stop_backward_below(model, cutoff)` on the model holding `layer`, at that model's first forward.
+
+    peft gives a dispatcher no handle on the model, so a one-shot global forward pre-hook waits for the first call
+    of a model (a module with `get_input_embeddings`) containing `layer`, installs the cut there and removes itself.
+    """
+    handle = None
+
+    def find_model(module, args):
+        if not hasattr(module, "get_input_embeddings") or not any(m is layer for m in module.modules()):
+            return
+        handle.remove()
+        if cutoff > 0:
+            stop_backward_below(module, cutoff)
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(find_model)
