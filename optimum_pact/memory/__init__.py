@@ -1,0 +1,35 @@
+"""Memory savers: block checkpointing with selective caching and disk offload, subset softmax, logits masking.
+
+Part of the core: plain torch, duck typing on the model (`layers`, `get_output_embeddings()`, `get_decoder()`); no
+peft, Trainer or application imports. `MemorySavers` switches everything on; the pieces are usable alone.
+"""
+
+from .accounting import LiveTensorTracker, fake_module, fake_peak, module_tensors
+from .checkpoint import BlockCheckpointing, find_blocks
+from .logits_mask import causal_lm_loss, labelled_positions
+from .offload import ActivationOffloader, OffloadError
+from .savers import MEMORY_SAVER_PRESETS, MemorySavers, SaverOutput, enable_memory_savers
+from .subset_softmax import DEFAULT_K, TokenNeighbours, check_subset_k, subset_cross_entropy
+from .weights import map_frozen_weights
+
+__all__ = [
+    "DEFAULT_K",
+    "MEMORY_SAVER_PRESETS",
+    "ActivationOffloader",
+    "BlockCheckpointing",
+    "LiveTensorTracker",
+    "MemorySavers",
+    "OffloadError",
+    "SaverOutput",
+    "TokenNeighbours",
+    "causal_lm_loss",
+    "check_subset_k",
+    "enable_memory_savers",
+    "fake_module",
+    "fake_peak",
+    "find_blocks",
+    "labelled_positions",
+    "map_frozen_weights",
+    "module_tensors",
+    "subset_cross_entropy",
+]

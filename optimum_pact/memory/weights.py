@@ -1,0 +1,75 @@
+"""Frozen weights kept memory-mapped from a file instead of in anonymous memory.
+
+`map_frozen_weights` writes the frozen tensors of a model (the packed NVFP4 weights and scales of every
+`FrozenLinear`, the embedding and output head, any other frozen parameter or buffer of at least `min_bytes`) to one
+file, maps it back read-only-in-practice (`torch.load(mmap=True)`: a private, copy-on-write mapping) and puts the
+mapped tensors in the model's place; the file is unlinked at once, so nothing is left on disk after the process
+ends, yet the pages stay backed by it. Values are bit for bit the same.
+
+Why: a mapped weight's pages are page cache, not process-private memory. The kernel reads in only what a step
+touches (the embedding rows of the batch, the NVFP4 blocks being multiplied) and may drop clean pages under memory
+pressure and read them again later, so the weights stop competing with activations for the memory a background job
+may hold. They still show in the resident size (RssFile, and so VmHWM) while touched; `LiveTensorTracker` counts
+them as `mapped_bytes`, apart from live tensors. Trainable parameters (LoRA) are never mapped.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..dataflow import FrozenLinear
+from ..nvfp4 import NVFP4Tensor
+
+MIN_BYTES = 2**20  # smaller tensors (norms, biases) cost a few pages: not worth a mapping
+
+
+def map_frozen_weights(model: nn.Module, folder: str | os.PathLike | None = None, min_bytes: int = MIN_BYTES) -> dict:
+    """Replace every frozen parameter / buffer of at least `min_bytes` by a memory-mapped copy.
+
+    Returns `{"mapped": [tensor, ...], "names": [...], "bytes": total}` (each shared tensor once). Idempotent for
+    tensors already mapped by an earlier call only in the sense that they are mapped again (avoid calling twice).
+    """
+    owners: dict[int, list[tuple[nn.Module, str, bool]]] = {}  # id(tensor) -> [(module, attribute, is_param)]
+    tensors: dict[int, tuple[str, torch.Tensor]] = {}
+    for module_name, module in model.named_modules():
+        for table, is_param in ((module._parameters, True), (module._buffers, False)):
+            for name, t in table.items():
+                if t is None or (is_param and t.requires_grad) or t.device.type != "cpu":
+                    continue
+                if t.numel() * t.element_size() < min_bytes and not isinstance(module, FrozenLinear):
+                    continue
+                owners.setdefault(id(t), []).append((module, name, is_param))
+                tensors.setdefault(id(t), (f"{module_name}.{name}".lstrip("."), t))
+    if not tensors:
+        return {"mapped": [], "names": [], "bytes": 0}
+    root = Path(folder if folder is not None else tempfile.gettempdir()).expanduser()
+    root.mkdir(parents=True, exist_ok=True)
+    fd, path = tempfile.mkstemp(prefix="pact-weights-", suffix=".pt", dir=root)
+    os.close(fd)
+    try:
+        torch.save({key: t.detach().contiguous() for key, (_, t) in tensors.items()}, path)
+        loaded = torch.load(path, mmap=True, weights_only=True)
+    finally:
+        os.unlink(path)  # the mapping keeps the inode alive; nothing is left behind
+    frozen_linears = set()
+    for key, places in owners.items():
+        mapped = loaded[key]
+        if places[0][2]:
+            mapped = nn.Parameter(mapped, requires_grad=False)
+        for module, name, is_param in places:
+            (module._parameters if is_param else module._buffers)[name] = mapped
+            if isinstance(module, FrozenLinear):
+                frozen_linears.add(module)
+    for layer in frozen_linears:  # the backend prepares its handle again from the mapped buffers
+        layer.load_nvfp4(NVFP4Tensor(layer.weight, layer.weight_scale, layer.weight_scale_2))
+    mapped = [loaded[key] for key in owners]
+    return {
+        "mapped": mapped,
+        "names": [tensors[key][0] for key in owners],
+        "bytes": sum(t.numel() * t.element_size() for t in mapped),
+    }
