@@ -72,8 +72,10 @@ def test_offload_and_recompute_match_plain_gradients(arch, kind, tmp_path):
     reference = _loss_and_grads(model, ids, labels)
     blocks = len(model.get_base_model().model.layers) if kind == "pact" else len(model.model.layers)
     model.zero_grad(set_to_none=True)
-    # mlp_chunk_tokens=16: the MLP is recomputed in 5 chunks; mask_logits=False: the loss is transformers' own
-    with MemorySavers(model, offload_dir=tmp_path, mlp_chunk_tokens=16, subset_k=None, mask_logits=False) as savers:
+    # mlp_chunk_tokens=16: the MLP is recomputed in 5 chunks; cache_mib: attention cached (selective checkpointing);
+    # mask_logits=False: the loss is transformers' own
+    options = dict(mlp_chunk_tokens=16, cache_mib=64.0, subset_k=None, mask_logits=False)
+    with MemorySavers(model, offload_dir=tmp_path, **options) as savers:
         offloader = savers.offloader
         loss = model(input_ids=ids, labels=labels).loss
         offloader._wait_writes()
@@ -85,6 +87,21 @@ def test_offload_and_recompute_match_plain_gradients(arch, kind, tmp_path):
     assert not offloader.folder.exists()
     _assert_same(reference, got)
     assert all("forward" not in vars(m) for m in model.modules())  # close() restored every forward
+
+
+def test_offloaded_block_inputs_leave_memory(tmp_path):
+    model = _model(num_hidden_layers=4)
+    ids, labels = _batch()
+    live = {}
+    for offload in (False, True):
+        with MemorySavers(model, offload=offload, offload_dir=tmp_path) as savers:
+            with LiveTensorTracker(module_tensors(model)) as tracker:
+                loss = model(input_ids=ids, labels=labels).loss
+                if offload:
+                    savers.offloader._wait_writes()
+                live[offload] = tracker.live_bytes  # between forward and backward
+            loss.backward()
+    assert live[False] - live[True] == 4 * ids.numel() * 64 * 4  # the 4 block inputs [2, 40, 64] fp32 are on disk
 
 
 def test_attention_output_is_cached_not_recomputed(tmp_path):

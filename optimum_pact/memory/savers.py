@@ -63,7 +63,8 @@ class MemorySavers:
             mapping; default: the system temp dir.
         map_weights: keep the frozen weights memory-mapped from a file in `offload_dir` (`map_frozen_weights`;
             bit-identical values; not undone by `close()`).
-        cache_mib: RAM budget per step for attention outputs kept instead of recomputed (0: recompute all).
+        cache_mib: RAM budget per step for attention outputs kept instead of recomputed (default 0: recompute all;
+            see `checkpoint.py` for when caching pays).
         mlp_chunk_tokens: recompute each MLP in chunks of this many tokens (None: whole sequence).
         subset_k: softmax over the target and its k - 1 nearest tokens (None: full vocabulary).
         mask_logits: run the output head only at labelled positions.
@@ -77,7 +78,7 @@ class MemorySavers:
         offload: bool = True,
         offload_dir: str | os.PathLike | None = None,
         map_weights: bool = False,
-        cache_mib: float = 64.0,
+        cache_mib: float = 0.0,
         mlp_chunk_tokens: int | None = 512,
         subset_k: int | None = None,
         mask_logits: bool = True,

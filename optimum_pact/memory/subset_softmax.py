@@ -142,6 +142,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                 p[torch.arange(len(p)), target_col] -= 1.0
                 p = p.to(rows.dtype)
                 grad[s : s + chunk_tokens] = p @ rows if subsets is None else (p.unsqueeze(1) @ rows).squeeze(1)
+                del p
+            del rows, z  # before the next chunk's gather: one chunk's rows at a time
         ctx.grad_hidden = grad
         return losses
 

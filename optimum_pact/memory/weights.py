@@ -31,8 +31,9 @@ MIN_BYTES = 2**20  # smaller tensors (norms, biases) cost a few pages: not worth
 def map_frozen_weights(model: nn.Module, folder: str | os.PathLike | None = None, min_bytes: int = MIN_BYTES) -> dict:
     """Replace every frozen parameter / buffer of at least `min_bytes` by a memory-mapped copy.
 
-    Returns `{"mapped": [tensor, ...], "names": [...], "bytes": total}` (each shared tensor once). Idempotent for
-    tensors already mapped by an earlier call only in the sense that they are mapped again (avoid calling twice).
+    Returns `{"mapped": [tensor, ...], "names": [...], "bytes": total}`, each tensor once (tied weights stay tied).
+    The file goes in `folder` (default: the system temp dir) and needs as much free space as the mapped bytes.
+    Call it once: a second call maps the mapped tensors again, into a new file.
     """
     owners: dict[int, list[tuple[nn.Module, str, bool]]] = {}  # id(tensor) -> [(module, attribute, is_param)]
     tensors: dict[int, tuple[str, torch.Tensor]] = {}
