@@ -15,6 +15,8 @@ import socket
 import time
 from pathlib import Path
 
+from optimum_pact.files import pid_alive
+
 try:
     import fcntl
 except ImportError:  # Windows
@@ -27,18 +29,6 @@ LOCK_NAME = ".pact.lock"
 
 class OutputDirLockedError(RuntimeError):
     """Another live process is training into the same output directory."""
-
-
-def _pid_alive(pid: int) -> bool:
-    if os.name != "posix":
-        return True  # cannot tell safely; treat as alive
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class OutputDirLock:
@@ -95,7 +85,7 @@ class OutputDirLock:
                 return self
             except FileExistsError:
                 holder = self._holder()
-                if holder.get("pid") and _pid_alive(int(holder["pid"])):
+                if holder.get("pid") and pid_alive(int(holder["pid"])):
                     raise self._locked_error(holder) from None
                 self.recovered_from = holder
                 self.path.unlink(missing_ok=True)

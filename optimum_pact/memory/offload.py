@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from ..files import pid_alive
+
 FOLDER_PREFIX = "pact-offload-"
 MAX_PENDING_WRITES = 2  # tensors waiting for the writer thread; each holds its memory until written
 
@@ -47,22 +49,12 @@ def _read_into(path: Path, out: torch.Tensor) -> None:
             raise OffloadError(errno.EIO, f"offload file {path} is shorter than the tensor it holds")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale_folders(root: Path) -> list[Path]:
     """Delete `pact-offload-<pid>-*` folders in `root` whose process no longer runs (left by a killed run)."""
     removed = []
     for folder in root.glob(f"{FOLDER_PREFIX}*"):
         pid = folder.name[len(FOLDER_PREFIX) :].split("-", 1)[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+        if pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder)
     return removed
