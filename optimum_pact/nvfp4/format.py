@@ -114,7 +114,8 @@ class NVFP4Tensor:
         """An upper bound of max |deq(W)|: the largest block scale times 6 (E2M1's largest magnitude)."""
         if self.scale.numel() == 0:
             return 0.0
-        return float(self.scale.float().abs().amax()) * float(self.scale_2) * F4_E2M1_MAX
+        # fp32(e4m3) * scale_2 in fp32, as the reference dequantizer forms each block's scale
+        return float(self.scale.float().abs().amax() * self.scale_2.float().reshape(())) * F4_E2M1_MAX
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         from .kernels import dequantize
