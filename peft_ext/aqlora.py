@@ -53,7 +53,8 @@ class PendingLayers:
         self.done = True
         config = self.config
         protected = self._protected()
-        cutoff = self._speed_cutoff()
+        adapted = self._speed_blocks()
+        cutoff = None if adapted is None else adapted.start
         backend = get_backend(config.backend, tile_size=config.tile_size, **(config.backend_options or {}))
         plan = config.precision_plan or {}
         for name, layer in self.layers.items():
@@ -65,10 +66,9 @@ class PendingLayers:
                 layer.delete_adapter(self.adapter_name)
             layer.pact_pending = None
         config.protected_modules = protected
-        if cutoff is not None:
-            n = max(block_index(name) for name in self.layers if block_index(name) is not None) + 1
+        if adapted is not None:
             pattern = _blocks_pattern(next(name for name in self.layers if block_index(name) is not None))
-            config.__dict__["_pact_speed_blocks"] = (pattern, list(range(cutoff, n)))
+            config.__dict__["_pact_speed_blocks"] = (pattern, list(adapted))
             lowest = next(iter(self.layers.values()))
             _stop_backward_at_first_forward(lowest, cutoff)
         logger.info(
@@ -98,7 +98,8 @@ class PendingLayers:
         ]
         return choose_protected(ranking, config.protect_fraction)
 
-    def _speed_cutoff(self) -> int | None:
+    def _speed_blocks(self) -> range | None:
+        """adapt='speed': the indices of the adapted (top) blocks; None for adapt='quality'."""
         config = self.config
         if config.adapt != "speed":
             return None
@@ -112,7 +113,7 @@ class PendingLayers:
                 f"PactConfig.adapt_top_blocks={top} is larger than the model's {n} decoder blocks; "
                 f"use a number from 1 to {n} (or None for the default, {default_top_blocks(n)})."
             )
-        return n - top
+        return range(n - top, n)
 
 
 def _blocks_pattern(name: str) -> str:
