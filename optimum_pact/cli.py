@@ -45,6 +45,16 @@ def _finetune_parser(sub) -> None:
         help="quality: adapt every linear; speed: only the top blocks, so backward stops early",
     )
     q.add_argument("--adapt-top-blocks", type=int, help="--adapt speed: how many top blocks (default: top half)")
+    m = p.add_argument_group("memory savers", "train in a fraction of the memory (optimum_pact.memory)")
+    m.add_argument(
+        "--memory-saver",
+        default="none",
+        choices=("none", "exact", "full"),
+        help="exact: block checkpointing with disk offload, mapped weights, logits only at labelled positions (same "
+        "gradients); full: exact + softmax over the target's --subset-k nearest tokens (approximate)",
+    )
+    m.add_argument("--offload-dir", help="folder for offloaded activations (default: OUTPUT/trainer/pact-offload)")
+    m.add_argument("--subset-k", type=int, help="--memory-saver full: tokens per softmax (default 1000)")
     b = p.add_argument_group(
         "background job",
         "run at night, on the charger, killable at any moment: re-running the same command continues where it "

@@ -41,6 +41,7 @@ class FinetuneSummary:
     adapter_dir: str
     products: dict[str, int] | None = None  # frozen-weight products run in training, per backend
     fp16_linears: int = 0  # linears the precision plan kept 16-bit
+    memory_saver: str = "none"  # PactTrainingArguments.pact_memory_saver
     guarded_rows: int = 0  # rows the FP16 range guard scaled down (NPU)
     background: dict | None = None  # background mode only: resume point, pauses, checkpoints
 
@@ -64,6 +65,9 @@ class FinetuneSummary:
             text = f"{total} in training: " + ", ".join(f"{n} on {name}" for name, n in sorted(counts.items()))
         return text + (f"; {self.guarded_rows} rows range-guarded" if self.guarded_rows else "")
 
+    def _savers(self) -> str:
+        return "" if self.memory_saver == "none" else f" (memory savers: {self.memory_saver})"
+
     def render(self) -> str:
         rows = [
             ("model", self.model),
@@ -71,7 +75,7 @@ class FinetuneSummary:
             ("held-out accuracy", f"{self.accuracy_before:.1%} -> {self.accuracy_after:.1%}"),
             ("final training loss", f"{self.final_loss:.4f}"),
             ("steps", f"{self.steps} in {self.train_seconds:.1f} s ({self.steps_per_second:.2f} steps/s)"),
-            ("peak memory (RSS)", f"{self.peak_rss_gib:.2f} GiB"),
+            ("peak memory (RSS)", f"{self.peak_rss_gib:.2f} GiB" + self._savers()),
             ("frozen linears", self._linears()),
             ("frozen-weight products", self._products()),
             ("adapter", self.adapter_dir),
@@ -157,6 +161,9 @@ def finetune(
     adapt: str = "quality",
     adapt_top_blocks: int | None = None,
     rank_by: str = "nvfp4",
+    memory_saver: str = "none",
+    offload_dir: str | None = None,
+    subset_k: int | None = None,
     r: int = 8,
     lora_alpha: int = 16,
     learning_rate: float = 2e-3,
@@ -182,6 +189,10 @@ def finetune(
     `only_while_charging`, `min_battery`), atomic verified checkpoints every `save_steps` steps or `save_minutes`
     minutes (the last `keep_checkpoints` kept), and on SIGTERM/SIGINT a checkpoint then `TrainingInterrupted`.
     Running the same call again continues from the newest valid checkpoint. Pacing options also work without it.
+
+    `memory_saver` ('none', 'exact', 'full') turns on `optimum_pact.memory` for training (PactTrainingArguments'
+    pact_memory_saver), offloading to `offload_dir` (default `output/trainer/pact-offload`); `subset_k` is the
+    softmax subset of 'full'.
     """
     from trainer_callbacks import OutputDirLock
     from trainer_callbacks.thermal import check_pacing_options
@@ -200,6 +211,7 @@ def finetune(
         return _finetune(
             model, data, output, backend, r, lora_alpha, learning_rate, epochs, max_steps, batch_size, dtype, seed,
             soc_model=soc_model, precision_budget_mib=precision_budget_mib,
+            memory={"pact_memory_saver": memory_saver, "pact_offload_dir": offload_dir, "pact_subset_k": subset_k},
             aqlora={"protect_fraction": protect_fraction, "adapt": adapt, "adapt_top_blocks": adapt_top_blocks,
                     "rank_by": rank_by},
             background=background, thermal_limit=thermal_limit, duty_cycle=duty_cycle,
@@ -209,8 +221,8 @@ def finetune(
 
 def _finetune(
     model, data, output, backend, r, lora_alpha, learning_rate, epochs, max_steps, batch_size, dtype, seed, *,
-    soc_model, precision_budget_mib, aqlora, background, thermal_limit, duty_cycle, only_while_charging, min_battery,
-    sysfs_root, save_steps, save_minutes, keep_checkpoints,
+    soc_model, precision_budget_mib, memory, aqlora, background, thermal_limit, duty_cycle, only_while_charging,
+    min_battery, sysfs_root, save_steps, save_minutes, keep_checkpoints,
 ) -> FinetuneSummary:  # fmt: skip
     from datasets import Dataset
     from peft import get_peft_model
@@ -242,6 +254,7 @@ def _finetune(
         or not precision_budget_mib >= 0
     ):
         raise ValueError(f"--precision-budget-mib {precision_budget_mib!r} must be a number of MiB >= 0.")
+    _check_memory_options(memory)
     train_items, heldout_items = load_personal_dataset(data)  # validate the data before any slow work
     backend_options = None if soc_model is None else {"soc_model": soc_model}
     options = {"--protect-fraction": "protect_fraction", "--adapt": "adapt", "--adapt-top-blocks": "adapt_top_blocks"}
@@ -304,6 +317,7 @@ def _finetune(
         seed=seed,
         **checkpointing,
         **pacing,
+        **memory,
     )
     trainer = PactTrainer(
         model=peft_model,
@@ -360,6 +374,7 @@ def _finetune(
         backend=", ".join(sorted({b.name for b in backends})) + (" (auto)" if backend == "auto" else ""),
         products=products,
         fp16_linears=sum(m.precision == "fp16" for m in frozen),
+        memory_saver=args.pact_memory_saver,
         guarded_rows=guarded_rows,
         adapter_dir=str(adapter_dir),
         background=extra,
@@ -367,6 +382,21 @@ def _finetune(
     _write_model_card(adapter_dir, model, pact_config, args, summary)
     (Path(output) / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
     return summary
+
+
+def _check_memory_options(memory: dict) -> None:
+    """The memory-saver flags, checked before any slow work with the CLI's names in the message."""
+    from trainer_callbacks.training_args import MEMORY_SAVERS
+
+    saver, k = memory["pact_memory_saver"], memory["pact_subset_k"]
+    if saver not in MEMORY_SAVERS:
+        raise ValueError(f"--memory-saver {saver!r} is not one of {', '.join(MEMORY_SAVERS)}.")
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+        raise ValueError(f"--subset-k {k!r} must be a positive integer number of tokens (default 1000).")
+    if k is not None and saver != "full":
+        raise ValueError(f"--subset-k {k} is used by --memory-saver full only; add --memory-saver full or drop it.")
+    if memory["pact_offload_dir"] is not None and saver == "none":
+        raise ValueError("--offload-dir is used by --memory-saver exact/full only; add --memory-saver or drop it.")
 
 
 def signal_name(signum: int) -> str:

@@ -116,3 +116,27 @@ def test_main_job_with_aqlora_speed(small_model, tmp_path):
 def test_bad_aqlora_option_is_a_clear_cli_error(capsys):
     assert main(["finetune", "--protect-fraction", "1.5"]) == 2
     assert "--protect-fraction=1.5 is outside the valid range [0, 1]" in capsys.readouterr().err
+
+
+def test_main_job_with_memory_savers(small_model, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["finetune", "--model", str(small_model), "--output", str(out), "--max-steps", "3", "--dtype", "float32"]
+    assert main([*args, "--memory-saver", "full", "--subset-k", "64"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["memory_saver"] == "full" and summary["steps"] == 3
+    assert summary["products"] == {"torch": 3 * (14 + 14 + 11)}  # + the recomputed forward of every linear
+    assert "(memory savers: full)" in capsys.readouterr().out
+    assert not any((out / "trainer" / "pact-offload").iterdir())
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--subset-k", "10"], "--subset-k 10 is used by --memory-saver full only"),
+        (["--offload-dir", "/tmp/x"], "--offload-dir is used by --memory-saver exact/full only"),
+        (["--memory-saver", "full", "--subset-k", "0"], "--subset-k 0 must be a positive integer"),
+    ],
+)
+def test_bad_memory_saver_flags_are_clear_cli_errors(flags, message, capsys):
+    assert main(["finetune", *flags]) == 2
+    assert message in capsys.readouterr().err

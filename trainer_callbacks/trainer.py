@@ -9,6 +9,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from optimum_pact.dataflow import FrozenLinear
+from optimum_pact.memory import MemorySavers, OffloadError
 
 from .resources import ResourceReportCallback
 from .resumable import ResumableExecutionCallback
@@ -38,6 +39,7 @@ class PactTrainer(Trainer):
         if model is not None and not any(isinstance(m, FrozenLinear) for m in model.modules()):
             logger.warning("PactTrainer: the model has no FrozenLinear; apply PactConfig with get_peft_model first.")
         self.resources = None
+        self.memory_savers: MemorySavers | None = None  # set while train() runs with pact_memory_saver
         if isinstance(self.args, PactTrainingArguments):
             if self.args.pact_num_threads is not None:
                 self.add_callback(_ThreadsCallback(self.args.pact_num_threads))
@@ -93,7 +95,35 @@ class PactTrainer(Trainer):
         elif self.resumable is not None and isinstance(resume_from_checkpoint, (str, Path)):
             self.resumable.check_checkpoint(resume_from_checkpoint, self.model)
             resume_from_checkpoint = str(resume_from_checkpoint)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        self.memory_savers = self._start_memory_savers()
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        finally:  # also on a failed step: the forwards are restored and the offload files deleted
+            if self.memory_savers is not None:
+                self.memory_savers.close()
+                self.memory_savers = None
+
+    def _start_memory_savers(self) -> MemorySavers | None:
+        args = self.args
+        if not isinstance(args, PactTrainingArguments) or not args.memory_savers_enabled:
+            return None
+        head = self.model.get_output_embeddings()
+        vocab = head.weight.shape[0] if head is not None else None
+        if args.pact_subset_k is not None and vocab is not None and args.pact_subset_k > vocab:
+            raise ValueError(
+                f"pact_subset_k={args.pact_subset_k} is larger than the vocabulary ({vocab} tokens); use at most "
+                f"{vocab} (which is the exact full softmax) or pact_memory_saver='exact'."
+            )
+        try:
+            savers = MemorySavers.from_preset(self.model, args.pact_memory_saver, **args.memory_saver_options())
+        except OffloadError as err:  # name the Trainer option, not the library's keyword
+            raise OffloadError(
+                err.errno,
+                f"pact_offload_dir={args.offload_dir!r} is not writable ({err.__cause__ or err}); pass a writable "
+                "folder on a disk with free space, or pact_memory_saver='none'.",
+            ) from err
+        logger.info("PactTrainer: memory savers %r on, offloading to %s", args.pact_memory_saver, args.offload_dir)
+        return savers
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         """Adds `peak_rss_gib` and `train_steps_per_second_measured` to every log (Trainer's documented hook), and

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
 from .thermal import check_pacing_options
+
+MEMORY_SAVERS = ("none", "exact", "full")  # optimum_pact.memory.MEMORY_SAVER_PRESETS
 
 
 @dataclass
@@ -82,8 +85,39 @@ class PactTrainingArguments(TrainingArguments):
         metadata={"help": "Also checkpoint once this many minutes passed since the last one (sets pact_resumable)."},
     )
 
+    # ---- memory savers (optimum_pact.memory.MemorySavers), on for the duration of train() ----
+    pact_memory_saver: str = field(
+        default="none",
+        metadata={
+            "help": "'exact': checkpoint every decoder block with its input offloaded to disk, MLP recomputed in "
+            "chunks, frozen weights memory-mapped, output head run only at labelled positions (same loss and "
+            "gradients as 'none'). 'full': 'exact' + the loss as a softmax over the target and its "
+            "pact_subset_k - 1 nearest tokens (an approximation). 'none': off.",
+            "choices": list(MEMORY_SAVERS),
+        },
+    )
+    pact_offload_dir: str | None = field(
+        default=None,
+        metadata={"help": "Folder for offloaded activations and mapped weights; default <output_dir>/pact-offload."},
+    )
+    pact_subset_k: int | None = field(
+        default=None,
+        metadata={
+            "help": "pact_memory_saver='full': tokens in each position's softmax (target + k - 1 nearest); None: 1000."
+        },
+    )
+    pact_activation_cache_mib: float = field(
+        default=0.0,
+        metadata={"help": "RAM per step for attention outputs kept instead of recomputed (memory savers on)."},
+    )
+    pact_mlp_chunk_tokens: int | None = field(
+        default=512,
+        metadata={"help": "Memory savers: recompute each MLP in chunks of this many tokens (None: in one piece)."},
+    )
+
     def __post_init__(self):
         super().__post_init__()
+        self._check_memory_saver_options()
         if self.pact_num_threads is not None and (
             isinstance(self.pact_num_threads, bool)
             or not isinstance(self.pact_num_threads, int)
@@ -129,6 +163,49 @@ class PactTrainingArguments(TrainingArguments):
             )
         if self.resumable_enabled and self.save_total_limit is not None and self.save_total_limit < 1:
             raise ValueError(f"save_total_limit={self.save_total_limit!r} must be at least 1 with pact_resumable.")
+
+    def _check_memory_saver_options(self) -> None:
+        if self.pact_memory_saver not in MEMORY_SAVERS:
+            raise ValueError(f"pact_memory_saver={self.pact_memory_saver!r} is not one of {', '.join(MEMORY_SAVERS)}.")
+        if self.memory_savers_enabled and self.activation_checkpointing:  # gradient_checkpointing is its alias
+            raise ValueError(
+                f"pact_memory_saver={self.pact_memory_saver!r} checkpoints the decoder blocks itself; set "
+                "activation_checkpointing=False (or pact_memory_saver='none' to use transformers' checkpointing)."
+            )
+        k = self.pact_subset_k
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"pact_subset_k={k!r} must be a positive integer number of tokens (default 1000).")
+        if k is not None and self.pact_memory_saver != "full":
+            raise ValueError(
+                f"pact_subset_k={k} is used by pact_memory_saver='full' only (it is {self.pact_memory_saver!r}); "
+                "set pact_memory_saver='full' or leave pact_subset_k unset."
+            )
+        cache = self.pact_activation_cache_mib
+        if isinstance(cache, bool) or not isinstance(cache, (int, float)) or not cache >= 0:
+            raise ValueError(f"pact_activation_cache_mib={cache!r} must be a number of MiB >= 0.")
+        chunk = self.pact_mlp_chunk_tokens
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"pact_mlp_chunk_tokens={chunk!r} must be a positive integer (or None: no chunks).")
+
+    @property
+    def memory_savers_enabled(self) -> bool:
+        return self.pact_memory_saver != "none"
+
+    @property
+    def offload_dir(self) -> str:
+        """Where the memory savers put offloaded activations and mapped weights."""
+        return self.pact_offload_dir or os.path.join(self.output_dir, "pact-offload")
+
+    def memory_saver_options(self) -> dict:
+        """Keyword arguments for `MemorySavers.from_preset(model, self.pact_memory_saver, **options)`."""
+        options = {
+            "offload_dir": self.offload_dir,
+            "cache_mib": float(self.pact_activation_cache_mib),
+            "mlp_chunk_tokens": self.pact_mlp_chunk_tokens,
+        }
+        if self.pact_memory_saver == "full" and self.pact_subset_k is not None:
+            options["subset_k"] = self.pact_subset_k
+        return options
 
     @property
     def pacing_enabled(self) -> bool:
