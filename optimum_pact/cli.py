@@ -51,7 +51,8 @@ def _finetune_parser(sub) -> None:
         default="none",
         choices=("none", "exact", "full"),
         help="exact: block checkpointing with disk offload, mapped weights, logits only at labelled positions (same "
-        "gradients); full: exact + softmax over the target's --subset-k nearest tokens (approximate)",
+        "gradients); full: exact + softmax over the target's --subset-k nearest tokens and the batch's targets "
+        "(approximate)",
     )
     m.add_argument("--offload-dir", help="folder for offloaded activations (default: OUTPUT/trainer/pact-offload)")
     m.add_argument("--subset-k", type=int, help="--memory-saver full: tokens per softmax (default 1000)")

@@ -27,6 +27,7 @@ from optimum_pact.memory import (
 )
 from optimum_pact.memory import offload as offload_module
 from optimum_pact.memory.checkpoint import ATTENTION_OPS
+from optimum_pact.memory.subset_softmax import batch_negatives
 from peft_ext import PactConfig
 
 ATOL = 1e-6
@@ -268,18 +269,67 @@ def test_subset_softmax_is_a_lower_bound_whose_gradient_lives_on_the_subset():
     torch.manual_seed(0)
     weight, hidden = torch.randn(VOCAB, 32) / 4, torch.randn(20, 32)
     targets = torch.randint(0, VOCAB, (20,))
-    neighbours = TokenNeighbours(weight, k=10)
+    neighbours = TokenNeighbours(weight, k=10, samples=0)  # no far sample: the subset loss alone
     subsets = neighbours(targets).long()
     assert torch.equal(subsets[:, 0], targets)
     full = F.cross_entropy(hidden @ weight.t(), targets, reduction="none")
     assert subset_cross_entropy(hidden[:0], weight, targets[:0], neighbours).shape == (0,)  # no labelled token
-    approx = subset_cross_entropy(hidden.requires_grad_(), weight, targets, neighbours)
+    alone = torch.tensor([], dtype=torch.long)  # the neighbours alone, without the batch's targets
+    approx = subset_cross_entropy(hidden.requires_grad_(), weight, targets, neighbours, negatives=alone)
     assert (approx <= full + ATOL).all()  # logsumexp over a subset of the terms
     (grad,) = torch.autograd.grad(approx.sum(), hidden)
     # d loss / d logits = softmax over the subset - onehot(target), zero outside the subset
     z = torch.gather(hidden @ weight.t(), 1, subsets)
     dz = torch.zeros(20, VOCAB).scatter_(1, subsets, z.softmax(-1) - F.one_hot(torch.zeros(20).long(), 10))
     torch.testing.assert_close(grad, dz @ weight, atol=ATOL, rtol=0)
+
+
+def test_subset_softmax_holds_the_batch_targets_once_each():
+    torch.manual_seed(1)
+    weight, hidden = torch.randn(VOCAB, 32) / 4, torch.randn(30, 32, requires_grad=True)
+    targets = torch.randint(0, 6, (30,))  # few distinct answers (fewer than k), as in a classification fine-tune
+    neighbours = TokenNeighbours(weight, k=8, samples=0)
+    losses = subset_cross_entropy(hidden, weight, targets, neighbours, chunk_tokens=7)
+    (grad,) = torch.autograd.grad(losses.sum(), hidden)
+    # reference: an explicit set per row, each token once: target + its 7 nearest + every target of the batch
+    logits = hidden.detach() @ weight.t()
+    mask = torch.full((30, VOCAB), float("-inf"))
+    for row, near in enumerate(neighbours(targets).long()):
+        mask[row, near] = 0.0
+        mask[row, targets.unique()] = 0.0
+    reference = F.cross_entropy(logits + mask, targets, reduction="none")
+    dz = (logits + mask).softmax(-1) - F.one_hot(targets, VOCAB)
+    torch.testing.assert_close(losses, reference, atol=ATOL, rtol=0)
+    torch.testing.assert_close(grad, dz @ weight, atol=ATOL, rtol=0)
+    assert (dz[:, targets.unique()] != 0).all()  # every other answer is pushed down at every position
+    assert batch_negatives(torch.tensor([5, 5, 5, 3, 3, 7]), 2).sort().values.tolist() == [3, 5]  # most frequent
+
+
+def test_far_sample_estimates_the_full_softmax_normalizer_and_gradient():
+    torch.manual_seed(2)
+    weight, hidden = torch.randn(VOCAB, 32) / 4, torch.randn(6, 32)  # logits ~ N(0, 2)
+    targets = torch.tensor([3, 3, 50, 50, 90, 3])
+    full = F.cross_entropy(hidden @ weight.t(), targets, reduction="none")
+    (grad_full,) = torch.autograd.grad(
+        F.cross_entropy(hidden.requires_grad_() @ weight.t(), targets, reduction="sum"), hidden
+    )
+    neighbours = TokenNeighbours(weight, k=4, samples=16, seed=0)
+    explicit = set(neighbours(targets).flatten().tolist())
+    normalizers, grads = [], []
+    for _ in range(3000):  # a fresh far sample per call
+        h = hidden.detach().requires_grad_()
+        loss = subset_cross_entropy(h, weight, targets, neighbours)
+        (g,) = torch.autograd.grad(loss.sum(), h)
+        normalizers.append(loss.detach().exp())  # e^{loss} = estimated normalizer / e^{z_y}: unbiased
+        grads.append(g)
+    drawn = torch.stack(normalizers)
+    assert len(explicit) < VOCAB / 8  # most of the vocabulary is far: only the sample sees it
+    torch.testing.assert_close(drawn.mean(0), full.exp(), rtol=0.03, atol=0)
+    assert (drawn.std(0) > 0).all()  # really sampled
+    mean_grad = torch.stack(grads).mean(0)
+    assert (mean_grad - grad_full).norm() < 0.1 * grad_full.norm()
+    alone = subset_cross_entropy(hidden.detach(), weight, targets, TokenNeighbours(weight, k=4, samples=0))
+    assert (alone < full).all() and (full - alone).mean() > 0.5  # without the sample: far mass missing
 
 
 def test_neighbours_chunked_equal_brute_force_cosine_top_k():

@@ -92,7 +92,7 @@ class PactTrainingArguments(TrainingArguments):
             "help": "'exact': checkpoint every decoder block with its input offloaded to disk, MLP recomputed in "
             "chunks, frozen weights memory-mapped, output head run only at labelled positions (same loss and "
             "gradients as 'none'). 'full': 'exact' + the loss as a softmax over the target and its "
-            "pact_subset_k - 1 nearest tokens (an approximation). 'none': off.",
+            "pact_subset_k - 1 nearest tokens and the batch's other targets (an approximation). 'none': off.",
             "choices": list(MEMORY_SAVERS),
         },
     )
@@ -103,7 +103,7 @@ class PactTrainingArguments(TrainingArguments):
     pact_subset_k: int | None = field(
         default=None,
         metadata={
-            "help": "pact_memory_saver='full': tokens in each position's softmax (target + k - 1 nearest); None: 1000."
+            "help": "pact_memory_saver='full': nearest tokens in each position's softmax (target + k - 1); None: 1000."
         },
     )
     pact_activation_cache_mib: float = field(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .subset_softmax import TokenNeighbours, subset_cross_entropy
+from .subset_softmax import TokenNeighbours, batch_negatives, subset_cross_entropy
 
 IGNORE_INDEX = -100
 DECODER_KWARGS_DROPPED = ("labels", "num_items_in_batch", "return_dict", "output_attentions", "output_hidden_states")
@@ -81,7 +81,12 @@ def causal_lm_loss(
     else:
         targets = shifted_targets(labels).reshape(-1)
         labelled = targets != IGNORE_INDEX
-        losses = subset_cross_entropy(hidden, head.weight, targets.clamp_min(0), neighbours, head.bias)
+        negatives = None
+        if neighbours is not None:  # the batch's labelled targets, not the 0 placeholders of unlabelled positions
+            negatives = batch_negatives(targets[labelled], neighbours.k)
+        losses = subset_cross_entropy(
+            hidden, head.weight, targets.clamp_min(0), neighbours, head.bias, negatives=negatives
+        )
         total = torch.where(labelled, losses, 0.0).sum()
         index = labelled.nonzero()
     if num_items_in_batch is None:

@@ -1,29 +1,43 @@
 """Softmax over a semantically relevant token subset, and the chunked cross-entropy that computes it.
 
-For a position whose target is token `y`, the loss is the cross-entropy over `S(y)`: `y` itself plus the k - 1
-tokens whose output-embedding rows are nearest to `y`'s by cosine similarity (`TokenNeighbours`):
+For a position whose target is token `y`, the softmax runs over three groups of tokens, each token counted once:
+- `y` itself and the k - 1 tokens whose output-embedding rows are nearest to `y`'s by cosine similarity
+  (`TokenNeighbours`): the semantically relevant subset, the hard negatives;
+- the other targets of the same batch (in-batch negatives, at most k of them);
+- the far tokens, through a uniform sample of m = `samples` (default k) ids of the vocabulary V, shared by every
+  position of the call: each drawn id not already in the position's subset S(y) stands for V / m tokens (its logit
+  gets + log(V / m)), so the far part of the normalizer is estimated without bias instead of dropped:
 
-    loss = logsumexp_{j in S(y)} z_j - z_y            with z_j = h . W_j (+ b_j)
+    loss = log( sum_{j in S(y)} e^{z_j} + V / m * sum_{j in sample, j not in S(y)} e^{z_j} ) - z_y
+    with z_j = h . W_j (+ b_j)
+
+Why not the nearest tokens alone (measured on the main job: SmolLM2, built-in data, 60 steps, k = 1000,
+`benchmarks/bench_memory.py --quality`): a fine-tune pulls its answer tokens up at every position, and with only
+the target's neighbours in the softmax nothing pushes anything else down. The subset loss went to 0.0000 while
+held-out accuracy fell from 23% to 17% (full softmax: 87%): every tag's first token rose everywhere. Adding the
+batch's targets fixed that on one seed (85% vs 87%) but not on another (48% vs 80%, and 88% for the same PACT
+model with the exact savers): far tokens drifted up unchecked and broke the multi-token answers, whose
+continuation probabilities are normalized over the whole vocabulary at inference. The far sample closes that gap.
 
 What the approximation does:
-- **Loss**: the sum over the subset leaves out the rest of the vocabulary, so the subset loss is a lower bound of
-  the full cross-entropy (`logsumexp` over fewer terms) and equals it when k = vocabulary size. The gap is the
-  probability mass the model puts outside `S(y)`: small once that mass concentrates on tokens like the target,
-  large early in training or for a random model (reported loss values are not comparable to full-softmax ones).
-- **Gradients**: d loss / d z_j = p_j - 1[j = y] with p the softmax over the subset only, and 0 for every token
-  outside it. The target is pulled up exactly as in the full softmax; only the k - 1 near neighbours (the hard
-  negatives the model confuses with the target) are pushed down, each more strongly than in the full softmax
-  because the subset's probabilities sum to one. Far tokens get no push-down at all, which is what can let their
-  logits drift up; it is harmless for LoRA fine-tuning of a pretrained model (those tokens start far below) and
-  is why the subset must hold the nearest tokens rather than random ones.
+- **Loss**: an estimate of the full cross-entropy; the normalizer's estimate is unbiased (its log slightly low, by
+  Jensen). It is exact when k = vocabulary size (nothing is far) and, with `samples=0`, a lower bound (the
+  neighbours-and-batch loss alone).
+- **Gradients**: d loss / d z_j = p_j - 1[j = y] with p the softmax over the weighted subset, 0 for far tokens not
+  drawn. The target is pulled up as in the full softmax; neighbours and batch targets are pushed down by their own
+  probability; a drawn far token by its probability, which carries the weight V / m, so far tokens are pushed down
+  as the full softmax pushes them, in expectation.
 - The output layer must be frozen (no gradient for its weight); the hidden states get their gradient.
 
-Memory: the logits are [tokens, k], never [tokens, vocab]; tokens are processed in chunks (gathered weight rows
-[chunk, k, hidden] at a time) and the gradient with respect to the hidden states is computed in the same pass, so
-nothing of size k survives the forward. The neighbour rows are computed once per token id and kept (int32).
+Memory: the logits are [tokens, k + batch targets + samples] (at most 3k), never [tokens, vocab]; tokens are
+processed in chunks (gathered weight rows [chunk, width, hidden] at a time) and the gradient with respect to the
+hidden states is computed in the same pass, so nothing of that width survives the forward. The neighbour rows are
+computed once per token id and kept (int32).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -50,10 +64,20 @@ class TokenNeighbours:
     vocabulary at k = 1000), so only the ids that occur as targets are computed.
     """
 
-    def __init__(self, weight: torch.Tensor, k: int = DEFAULT_K, query_chunk: int = 256, vocab_chunk: int = 16384):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        k: int = DEFAULT_K,
+        query_chunk: int = 256,
+        vocab_chunk: int = 16384,
+        samples: int | None = None,
+        seed: int = 0,
+    ):
         vocab_size = weight.shape[0]
         check_subset_k(k, vocab_size)
         self.weight, self.k = weight.detach(), k
+        self.samples = k if samples is None else samples  # far tokens sampled per call (see `far_sample`)
+        self.generator = torch.Generator().manual_seed(seed)
         self.query_chunk, self.vocab_chunk = query_chunk, vocab_chunk
         self._inv_norm: torch.Tensor | None = None
         self._rows: dict[int, torch.Tensor] = {}
@@ -106,6 +130,20 @@ class TokenNeighbours:
     def __len__(self) -> int:
         return len(self._rows)
 
+    def far_sample(self, targets: torch.Tensor, negatives: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """A uniform sample of `samples` token ids (without replacement, shared by every position), the [n, samples]
+        mask of those already explicit in a position's row (its target, neighbours or the batch's targets: counted
+        there, so not again) and the log of the weight each stands for (vocab / samples). Empty when nothing is far.
+        """
+        m = min(self.samples, self.vocab_size) if self.k < self.vocab_size else 0
+        far = torch.randperm(self.vocab_size, generator=self.generator)[:m]
+        uniq, inverse = targets.flatten().unique(return_inverse=True)
+        own = torch.stack([torch.isin(far, self(u[None])[0].long()) for u in uniq]) if m else None
+        explicit = (own[inverse] if m else torch.zeros(len(targets), 0, dtype=torch.bool)) | torch.isin(
+            far, negatives.long().cpu()
+        )
+        return far, explicit, math.log(self.vocab_size / m) if m else 0.0
+
 
 class ChunkedCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy of `hidden @ weight.T (+ bias)` over each token's subset (or the whole vocabulary).
@@ -115,7 +153,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, subsets, chunk_tokens):
+    def forward(ctx, hidden, weight, bias, targets, subsets, excluded, offsets, chunk_tokens):
         n = hidden.shape[0]
         losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
         grad = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
@@ -133,6 +171,10 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                 z = torch.bmm(rows, h.unsqueeze(-1)).squeeze(-1)
                 if bias is not None:
                     z = z + bias[idx]
+                if offsets is not None:  # log-weights of the sampled far tokens (0 for the explicit ones)
+                    z = z + offsets
+                if excluded is not None:  # a token listed twice in a row counts once
+                    z = z.masked_fill(excluded[s : s + chunk_tokens], float("-inf"))
                 target_col = torch.zeros(len(idx), dtype=torch.long, device=h.device)
             z = z.float()
             lse = z.logsumexp(-1)
@@ -151,12 +193,40 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_losses):
         grad = ctx.grad_hidden
         ctx.grad_hidden = None
-        return grad * grad_losses[:, None].to(grad.dtype), None, None, None, None, None
+        return grad * grad_losses[:, None].to(grad.dtype), None, None, None, None, None, None, None
 
 
 def chunk_tokens_for(row_bytes: int) -> int:
     """Tokens per chunk so that one chunk's gathered rows (or logits) stay under CHUNK_BYTES."""
     return max(1, CHUNK_BYTES // max(1, row_bytes))
+
+
+def with_batch_negatives(subsets: torch.Tensor, negatives: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows [target | negatives | neighbours] and a mask of the entries that repeat a token already in the row.
+
+    `subsets` [n, k] has the target first and distinct ids; `negatives` [u] distinct ids. The mask is True where a
+    negative is the row's target or where a neighbour is one of the negatives: every token then counts once.
+    """
+    n = subsets.shape[0]
+    negatives = negatives.to(subsets.dtype)
+    rows = torch.cat([subsets[:, :1], negatives.expand(n, -1), subsets[:, 1:]], dim=1)
+    excluded = torch.cat(
+        [
+            torch.zeros(n, 1, dtype=torch.bool, device=subsets.device),
+            negatives[None, :] == subsets[:, :1],
+            torch.isin(subsets[:, 1:], negatives),
+        ],
+        dim=1,
+    )
+    return rows, excluded
+
+
+def batch_negatives(targets: torch.Tensor, limit: int) -> torch.Tensor:
+    """The distinct targets of a batch, the `limit` most frequent when there are more."""
+    ids, counts = targets.unique(return_counts=True)
+    if len(ids) > limit:
+        ids = ids[counts.topk(limit).indices]
+    return ids
 
 
 def subset_cross_entropy(
@@ -166,10 +236,13 @@ def subset_cross_entropy(
     neighbours: TokenNeighbours | None = None,
     bias: torch.Tensor | None = None,
     chunk_tokens: int | None = None,
+    negatives: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token losses [n] for `hidden` [n, hidden_size] and `targets` [n] (no -100 entries).
 
-    `neighbours=None` is the full-vocabulary cross-entropy, computed in chunks of tokens.
+    `neighbours=None` is the full-vocabulary cross-entropy, computed in chunks of tokens. With neighbours, each
+    position's softmax also holds the batch's targets (`negatives`: default `targets`' distinct ids, the k most
+    frequent when there are more; pass an empty tensor for the neighbours alone).
     """
     if weight.requires_grad or (bias is not None and bias.requires_grad):
         raise ValueError(
@@ -182,8 +255,25 @@ def subset_cross_entropy(
             f"TokenNeighbours was built for {neighbours.vocab_size} tokens but the output layer has "
             f"{weight.shape[0]}; build it from this model's output embedding."
         )
-    subsets = neighbours(targets) if neighbours is not None else None
+    subsets, excluded, offsets = None, None, None
+    if neighbours is not None and len(targets):
+        subsets = neighbours(targets)
+        if negatives is None:
+            negatives = batch_negatives(targets, neighbours.k)
+        if len(negatives):
+            subsets, excluded = with_batch_negatives(subsets, negatives.to(subsets.device))
+        far, far_explicit, log_weight = neighbours.far_sample(targets, negatives)
+        if len(far):  # the rest of the vocabulary, estimated by a uniform sample shared by every position
+            n, width = subsets.shape
+            subsets = torch.cat([subsets, far.to(subsets).expand(n, -1)], dim=1)
+            if excluded is None:
+                excluded = torch.zeros(n, width, dtype=torch.bool)
+            excluded = torch.cat([excluded, far_explicit.to(excluded.device)], dim=1)
+            offsets = torch.zeros(subsets.shape[1], dtype=torch.float32, device=hidden.device)
+            offsets[width:] = log_weight
+    elif neighbours is not None:
+        subsets = torch.empty(0, neighbours.k, dtype=torch.int32)
     if chunk_tokens is None:
         width = weight.shape[0] * 4 if subsets is None else subsets.shape[1] * weight.shape[1] * weight.element_size()
         chunk_tokens = chunk_tokens_for(width)
-    return ChunkedCrossEntropy.apply(hidden, weight, bias, targets, subsets, chunk_tokens)
+    return ChunkedCrossEntropy.apply(hidden, weight, bias, targets, subsets, excluded, offsets, chunk_tokens)
