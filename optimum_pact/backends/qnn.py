@@ -368,7 +368,7 @@ class QnnBackend:
             )
         self.counts[product] += 1
         lead = a.shape[:-1]
-        flat = a.detach().reshape(-1, width_in)
+        flat = a.detach().reshape(-1, width_in).float().cpu()  # once: the guard and the staging both read fp32
         tokens = flat.shape[0]
         out = torch.empty(tokens, width_out, dtype=a.dtype, device=a.device)
         if tokens == 0:
@@ -382,7 +382,7 @@ class QnnBackend:
             count = rows.stop - rows.start
             bucket = self.bucket(count)
             staged = torch.zeros(bucket, width_in, dtype=torch.float16)
-            staged[:count] = scale_rows(flat[rows].cpu(), exp[rows])  # out of place: never scale the caller's x
+            staged[:count] = scale_rows(flat[rows], exp[rows])  # out of place: never scale the caller's x
             result = torch.empty(bucket, width_out, dtype=torch.float16)
             self._runtime.run(product, handle, staged, result)
             out[rows] = unscale_rows(result[:count], exp[rows], -handle.weight_exp).to(out.device, out.dtype)
