@@ -7,6 +7,7 @@ import logging
 import sys
 
 from .backends import BACKEND_CHOICES
+from .memory import MEMORY_SAVER_PRESETS
 
 
 def _finetune_parser(sub) -> None:
@@ -49,7 +50,7 @@ def _finetune_parser(sub) -> None:
     m.add_argument(
         "--memory-saver",
         default="none",
-        choices=("none", "exact", "full"),
+        choices=tuple(MEMORY_SAVER_PRESETS),
         help="exact: block checkpointing with disk offload, mapped weights, logits only at labelled positions (same "
         "gradients); full: exact + softmax over the target's --subset-k nearest tokens and the batch's targets "
         "(approximate)",

@@ -386,15 +386,11 @@ def _finetune(
 
 def _check_memory_options(memory: dict) -> None:
     """The memory-saver flags, checked before any slow work with the CLI's names in the message."""
-    from trainer_callbacks.training_args import MEMORY_SAVERS
+    from trainer_callbacks.training_args import check_memory_saver_options
 
-    saver, k = memory["pact_memory_saver"], memory["pact_subset_k"]
-    if saver not in MEMORY_SAVERS:
-        raise ValueError(f"--memory-saver {saver!r} is not one of {', '.join(MEMORY_SAVERS)}.")
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-        raise ValueError(f"--subset-k {k!r} must be a positive integer number of tokens (default 1000).")
-    if k is not None and saver != "full":
-        raise ValueError(f"--subset-k {k} is used by --memory-saver full only; add --memory-saver full or drop it.")
+    saver = memory["pact_memory_saver"]
+    names = {"memory_saver": "--memory-saver", "subset_k": "--subset-k"}
+    check_memory_saver_options(saver, memory["pact_subset_k"], names=names)
     if memory["pact_offload_dir"] is not None and saver == "none":
         raise ValueError("--offload-dir is used by --memory-saver exact/full only; add --memory-saver or drop it.")
 

@@ -132,9 +132,9 @@ def test_main_job_with_memory_savers(small_model, tmp_path, capsys):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--subset-k", "10"], "--subset-k 10 is used by --memory-saver full only"),
+        (["--subset-k", "10"], "--subset-k=10 is used by --memory-saver='full' only"),
         (["--offload-dir", "/tmp/x"], "--offload-dir is used by --memory-saver exact/full only"),
-        (["--memory-saver", "full", "--subset-k", "0"], "--subset-k 0 must be a positive integer"),
+        (["--memory-saver", "full", "--subset-k", "0"], "--subset-k=0 must be a positive integer"),
     ],
 )
 def test_bad_memory_saver_flags_are_clear_cli_errors(flags, message, capsys):

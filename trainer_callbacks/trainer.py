@@ -9,7 +9,7 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from optimum_pact.dataflow import FrozenLinear
-from optimum_pact.memory import MemorySavers, OffloadError
+from optimum_pact.memory import MemorySavers, OffloadError, check_subset_k
 
 from .resources import ResourceReportCallback
 from .resumable import ResumableExecutionCallback
@@ -108,12 +108,8 @@ class PactTrainer(Trainer):
         if not isinstance(args, PactTrainingArguments) or not args.memory_savers_enabled:
             return None
         head = self.model.get_output_embeddings()
-        vocab = head.weight.shape[0] if head is not None else None
-        if args.pact_subset_k is not None and vocab is not None and args.pact_subset_k > vocab:
-            raise ValueError(
-                f"pact_subset_k={args.pact_subset_k} is larger than the vocabulary ({vocab} tokens); use at most "
-                f"{vocab} (which is the exact full softmax) or pact_memory_saver='exact'."
-            )
+        if args.pact_subset_k is not None and head is not None:  # fail with the Trainer option's name
+            check_subset_k(args.pact_subset_k, head.weight.shape[0], "pact_subset_k", "pact_memory_saver='exact'")
         try:
             savers = MemorySavers.from_preset(self.model, args.pact_memory_saver, **args.memory_saver_options())
         except OffloadError as err:  # name the Trainer option, not the library's keyword

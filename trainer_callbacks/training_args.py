@@ -7,9 +7,38 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from optimum_pact.memory import MEMORY_SAVER_PRESETS, check_subset_k
+
 from .thermal import check_pacing_options
 
-MEMORY_SAVERS = ("none", "exact", "full")  # optimum_pact.memory.MEMORY_SAVER_PRESETS
+MEMORY_SAVERS = tuple(MEMORY_SAVER_PRESETS)  # none, exact, full
+
+
+def check_memory_saver_options(
+    memory_saver: str,
+    subset_k: int | None = None,
+    cache_mib: float = 0.0,
+    mlp_chunk_tokens: int | None = 512,
+    names: dict[str, str] | None = None,
+) -> None:
+    """The validation shared by `PactTrainingArguments` and the CLI; `names` maps each argument to the option name
+    the user typed (default: the argument names)."""
+    name = {k: k for k in ("memory_saver", "subset_k", "cache_mib", "mlp_chunk_tokens")}
+    name.update(names or {})
+    if memory_saver not in MEMORY_SAVERS:
+        raise ValueError(f"{name['memory_saver']}={memory_saver!r} is not one of {', '.join(MEMORY_SAVERS)}.")
+    if subset_k is not None:
+        check_subset_k(subset_k, name=name["subset_k"])
+        if memory_saver != "full":
+            raise ValueError(
+                f"{name['subset_k']}={subset_k} is used by {name['memory_saver']}='full' only (it is "
+                f"{memory_saver!r}); set {name['memory_saver']}='full' or leave {name['subset_k']} unset."
+            )
+    if isinstance(cache_mib, bool) or not isinstance(cache_mib, (int, float)) or not cache_mib >= 0:
+        raise ValueError(f"{name['cache_mib']}={cache_mib!r} must be a number of MiB >= 0.")
+    chunk = mlp_chunk_tokens
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"{name['mlp_chunk_tokens']}={chunk!r} must be a positive integer (or None: no chunks).")
 
 
 @dataclass
@@ -165,27 +194,23 @@ class PactTrainingArguments(TrainingArguments):
             raise ValueError(f"save_total_limit={self.save_total_limit!r} must be at least 1 with pact_resumable.")
 
     def _check_memory_saver_options(self) -> None:
-        if self.pact_memory_saver not in MEMORY_SAVERS:
-            raise ValueError(f"pact_memory_saver={self.pact_memory_saver!r} is not one of {', '.join(MEMORY_SAVERS)}.")
+        check_memory_saver_options(
+            self.pact_memory_saver,
+            self.pact_subset_k,
+            self.pact_activation_cache_mib,
+            self.pact_mlp_chunk_tokens,
+            names={
+                "memory_saver": "pact_memory_saver",
+                "subset_k": "pact_subset_k",
+                "cache_mib": "pact_activation_cache_mib",
+                "mlp_chunk_tokens": "pact_mlp_chunk_tokens",
+            },
+        )
         if self.memory_savers_enabled and self.activation_checkpointing:  # gradient_checkpointing is its alias
             raise ValueError(
                 f"pact_memory_saver={self.pact_memory_saver!r} checkpoints the decoder blocks itself; set "
                 "activation_checkpointing=False (or pact_memory_saver='none' to use transformers' checkpointing)."
             )
-        k = self.pact_subset_k
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
-            raise ValueError(f"pact_subset_k={k!r} must be a positive integer number of tokens (default 1000).")
-        if k is not None and self.pact_memory_saver != "full":
-            raise ValueError(
-                f"pact_subset_k={k} is used by pact_memory_saver='full' only (it is {self.pact_memory_saver!r}); "
-                "set pact_memory_saver='full' or leave pact_subset_k unset."
-            )
-        cache = self.pact_activation_cache_mib
-        if isinstance(cache, bool) or not isinstance(cache, (int, float)) or not cache >= 0:
-            raise ValueError(f"pact_activation_cache_mib={cache!r} must be a number of MiB >= 0.")
-        chunk = self.pact_mlp_chunk_tokens
-        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-            raise ValueError(f"pact_mlp_chunk_tokens={chunk!r} must be a positive integer (or None: no chunks).")
 
     @property
     def memory_savers_enabled(self) -> bool:

@@ -45,13 +45,16 @@ DEFAULT_K = 1000  # the published stack's top-1000 softmax approximation
 CHUNK_BYTES = 8 * 2**20  # gathered weight rows (or full-vocab logits) per chunk of tokens
 
 
-def check_subset_k(k: int, vocab_size: int) -> None:
+def check_subset_k(
+    k: int, vocab_size: int | None = None, name: str = "subset softmax k", off: str = "subset_k=None"
+) -> None:
+    """`k` must be a positive integer, at most `vocab_size` when given; errors say `name` and how to turn it `off`."""
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"subset softmax k={k!r} must be a positive integer (default {DEFAULT_K}).")
-    if k > vocab_size:
+        raise ValueError(f"{name}={k!r} must be a positive integer (default {DEFAULT_K}).")
+    if vocab_size is not None and k > vocab_size:
         raise ValueError(
-            f"subset softmax k={k} is larger than the vocabulary ({vocab_size} tokens). Use k <= {vocab_size} "
-            f"(k = {vocab_size} is the exact full softmax), or turn the subset softmax off (subset_k=None)."
+            f"{name}={k} is larger than the vocabulary ({vocab_size} tokens). Use {name} <= {vocab_size} "
+            f"(= {vocab_size} is the exact full softmax), or turn the subset softmax off ({off})."
         )
 
 
@@ -137,12 +140,12 @@ class TokenNeighbours:
         """
         m = min(self.samples, self.vocab_size) if self.k < self.vocab_size else 0
         far = torch.randperm(self.vocab_size, generator=self.generator)[:m]
+        if m == 0:
+            return far, torch.zeros(len(targets), 0, dtype=torch.bool), 0.0
         uniq, inverse = targets.flatten().unique(return_inverse=True)
-        own = torch.stack([torch.isin(far, self(u[None])[0].long()) for u in uniq]) if m else None
-        explicit = (own[inverse] if m else torch.zeros(len(targets), 0, dtype=torch.bool)) | torch.isin(
-            far, negatives.long().cpu()
-        )
-        return far, explicit, math.log(self.vocab_size / m) if m else 0.0
+        self.precompute(uniq)  # known already when called from subset_cross_entropy
+        own = torch.stack([torch.isin(far, self._rows[u]) for u in uniq.tolist()])  # [unique targets, m]
+        return far, own[inverse] | torch.isin(far, negatives.long().cpu()), math.log(self.vocab_size / m)
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
@@ -256,8 +259,9 @@ def subset_cross_entropy(
             f"{weight.shape[0]}; build it from this model's output embedding."
         )
     subsets, excluded, offsets = None, None, None
-    if neighbours is not None and len(targets):
+    if neighbours is not None:
         subsets = neighbours(targets)
+    if neighbours is not None and len(targets):
         if negatives is None:
             negatives = batch_negatives(targets, neighbours.k)
         if len(negatives):
@@ -271,8 +275,6 @@ def subset_cross_entropy(
             excluded = torch.cat([excluded, far_explicit.to(excluded.device)], dim=1)
             offsets = torch.zeros(subsets.shape[1], dtype=torch.float32, device=hidden.device)
             offsets[width:] = log_weight
-    elif neighbours is not None:
-        subsets = torch.empty(0, neighbours.k, dtype=torch.int32)
     if chunk_tokens is None:
         width = weight.shape[0] * 4 if subsets is None else subsets.shape[1] * weight.shape[1] * weight.element_size()
         chunk_tokens = chunk_tokens_for(width)
