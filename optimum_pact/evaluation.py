@@ -24,8 +24,12 @@ def _forward_last(model, sequences: list[list[int]], keep: int, pad_id: int) -> 
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
     inputs = {name: tensor.to(device) for name, tensor in inputs.items()}
+    # `logits_to_keep` as indices, not an int: transformers then gathers a contiguous copy of the last hidden states.
+    # With an int it slices a strided view, and torch 2.13's CPU linear on a frozen bf16 weight and a strided 3-D
+    # input transiently allocates ~430 MiB for SmolLM2's 49152 x 576 lm_head, the largest allocation of evaluation.
+    last = torch.arange(width - keep, width, device=device)
     try:
-        logits = model(**inputs, logits_to_keep=keep).logits
+        logits = model(**inputs, logits_to_keep=last).logits
     except TypeError:  # a model whose forward has no `logits_to_keep`
         logits = model(**inputs).logits
     return torch.log_softmax(logits[:, -keep:].float(), dim=-1)
