@@ -1,0 +1,384 @@
+"""Personalization benchmark: one adapter per user per night, PACT against the baselines a user would pick.
+
+Workloads (benchmarks/personal_tasks.py): `nightly`, the built-in dataset's user plus generated users with private
+tags; `movielens`, the most active MovieLens users (liked / skip, trained on their past, tested on their later
+ratings); and `lamp2` when you pass official LaMP-2 files (--lamp-questions / --lamp-outputs). Same model
+(SmolLM2-135M-Instruct, real weights), same LoRA (r=8, all linears), same batches and step budget for every
+backprop method:
+
+    zero_shot  the base model, no adapter            majority  the user's most frequent training tag
+    shared     one PACT adapter on all users' data   cpu_bf16  stock peft LoRA in bf16 (the fastest stock setting)
+    fp32       stock peft LoRA in fp32 (reference)   qlora     peft + bitsandbytes nf4, bf16 compute
+    pact       PactConfig, torch backend             mezo      forward-only MeZO on a bf16 LoRA, given PACT's
+                                                                wall-clock on the same user
+and `pact` on the qnn backend (HTP emulator) for --qnn-steps steps, to check its losses agree with the torch
+backend's. Accuracy and macro-F1 (the official LaMP definition, over the user's candidate tags) per user and
+averaged; training wall-clock and peak memory (VmHWM above the idle process) per run.
+
+    python benchmarks/eval_personalization.py            # default sizes: under an hour on 2 cores
+    python benchmarks/eval_personalization.py --quick    # minutes: tiny sizes, machinery only
+    python benchmarks/eval_personalization.py --table results.json   # print the README table of a past run
+
+Writes results.json, results.md (the table) and PNG plots to --output; stdout gets ONE JSON line (the summary).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import personal_tasks  # noqa: E402
+import personalization_report as report  # noqa: E402
+
+METHODS = ("zero_shot", "majority", "shared", "cpu_bf16", "fp32", "qlora", "pact", "mezo")
+BACKPROP = ("cpu_bf16", "fp32", "qlora", "pact", "shared")
+
+
+def log(*args) -> None:
+    print("[eval]", *args, file=sys.stderr, flush=True)
+
+
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def _trim() -> None:
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+def memory_child(args) -> None:
+    """In a fresh process: one method on the first user; peak RSS above the idle process, as one JSON line.
+
+    `load_peak_gib` is the peak while the model loads and is prepared (file pages, dtype conversion, quantization);
+    `peak_gib`, the number reported, the peak while it trains and evaluates, the resident model included.
+    """
+    import bitsandbytes  # noqa: F401  every import before the idle measurement
+    import peft  # noqa: F401
+    from transformers import AutoTokenizer
+
+    import peft_ext  # noqa: F401
+
+    method = args.memory_child
+    task = next(iter(build_workloads(args).values()))[0]
+    path = model_path(args)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    data = batches(tokenizer, task.train, args.steps, args.batch, args.seed)
+    _trim()
+    idle = _rss("VmRSS")
+    marks = {}
+
+    def built():
+        marks["load"] = _rss("VmHWM")
+        _trim()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := the current RSS (Linux >= 4.0)
+
+    run_method(method, task, path, tokenizer, data, args, seconds=args.mezo_seconds, on_built=built)
+    gib = {"idle_gib": idle, "load_peak_gib": marks["load"] - idle, "peak_gib": _rss("VmHWM") - idle}
+    print(json.dumps({"method": method, **{k: v / 2**30 for k, v in gib.items()}}))
+
+
+def measure_memory(methods, argv) -> dict:
+    """Peak memory per method, each in its own process (in one process the allocator reuses freed memory)."""
+    import subprocess
+
+    peaks = {}
+    for method in methods:
+        if method == "majority":
+            continue
+        probe = ["--memory-child", method, "--mezo-seconds", "5", "--max-test-items", "8"]
+        done = subprocess.run([sys.executable, __file__, *argv, *probe], capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"memory probe of {method} failed:\n{done.stderr[-2000:]}")
+        peaks[method] = json.loads(done.stdout.strip().splitlines()[-1])
+        log(f"memory: {method} peaks at {peaks[method]['peak_gib']:.2f} GiB above idle in training "
+            f"({peaks[method]['load_peak_gib']:.2f} GiB while loading)")  # fmt: skip
+    return peaks
+
+
+def build(method: str, path: str, args, backend: str = "torch", compiled: bool = True):
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from peft_ext import PactConfig
+
+    lora = dict(r=args.r, lora_alpha=2 * args.r, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    dtype = torch.float32 if method == "fp32" else torch.bfloat16
+    quant = None
+    if method == "qlora":
+        from transformers import BitsAndBytesConfig
+
+        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=quant)
+    if method == "zero_shot":
+        return model
+    torch.manual_seed(args.seed)
+    if method in ("pact", "shared"):
+        return get_peft_model(model, PactConfig(**lora, backend=backend))
+    model = get_peft_model(model, LoraConfig(**lora))
+    if method == "cpu_bf16" and args.compile and compiled:
+        model = torch.compile(model, dynamic=True)
+    return model
+
+
+def batches(tokenizer, items: list[dict], steps: int, batch_size: int, seed: int) -> list[dict]:
+    """The same `steps` padded batches for every method: epochs over the items, each in a seeded order."""
+    import random
+
+    from transformers import DataCollatorForSeq2Seq
+
+    from optimum_pact.finetune import tokenize_examples
+
+    rows = tokenize_examples(tokenizer, items)
+    collate = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+    order, rng = [], random.Random(seed)
+    while len(order) < steps * batch_size:
+        epoch = list(range(len(rows)))
+        rng.shuffle(epoch)
+        order += epoch
+    return [dict(collate([rows[i] for i in order[s * batch_size : (s + 1) * batch_size]])) for s in range(steps)]
+
+
+def train(model, data: list[dict], lr: float) -> list[float]:
+    import torch
+    from transformers import get_linear_schedule_with_warmup
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr)
+    schedule = get_linear_schedule_with_warmup(opt, min(5, len(data) // 4), len(data))
+    model.train()
+    losses = []
+    for batch in data:
+        loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        schedule.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def evaluate(model, tokenizer, task) -> dict:
+    import lamp
+
+    from optimum_pact.evaluation import classify
+
+    predictions = classify(model, tokenizer, [i["text"] for i in task.test], list(task.labels))
+    golds = [i["label"] for i in task.test]
+    return {**lamp.lamp2_metrics(predictions, golds, task.labels), "predictions": predictions}
+
+
+def run_method(method: str, task, path: str, tokenizer, data, args, seconds=None, on_built=None) -> dict:
+    """Train (or not) one method on one user and evaluate it on the user's later items."""
+    import lamp
+
+    if method == "majority":
+        guess = [task.majority] * len(task.test)
+        golds = [i["label"] for i in task.test]
+        return {**lamp.lamp2_metrics(guess, golds, task.labels), "predictions": guess, "train_s": 0.0}
+    model = build("cpu_bf16", path, args, compiled=False) if method == "mezo" else build(method, path, args)
+    if on_built is not None:
+        on_built()
+    start = time.perf_counter()
+    out = {"steps": 0, "losses": []}
+    if method == "mezo":
+        import mezo
+
+        run = mezo.train_mezo(model, data, seconds, lr=args.mezo_lr, eps=args.mezo_eps, seed=args.seed)
+        out = {"steps": run["steps"], "losses": run["losses"]}
+    elif method != "zero_shot":
+        out = {"steps": len(data), "losses": train(model, data, args.lr)}
+    train_s = time.perf_counter() - start
+    result = evaluate(model, tokenizer, task)
+    del model
+    losses = out.pop("losses")
+    return {**result, **out, "train_s": train_s, "first_losses": losses[:3],
+            "last_losses": losses[-3:], "all_losses": losses}  # fmt: skip
+
+
+def qnn_agreement(task, path: str, tokenizer, data, pact_losses: list[float], args) -> dict:
+    """PACT on the qnn backend for a few steps of the same batches; its losses against the torch backend's."""
+    from optimum_pact.backends import get_backend
+
+    try:
+        get_backend("qnn")
+    except (ImportError, RuntimeError) as err:
+        return {"skipped": str(err)}
+    model = build("pact", path, args, backend="qnn")
+    start = time.perf_counter()
+    losses = train(model, data[: args.qnn_steps], args.lr)
+    seconds = time.perf_counter() - start
+    diffs = [abs(a - b) / abs(b) for a, b in zip(losses, pact_losses)]
+    return {"user": f"{task.workload}/{task.user}", "steps": len(losses), "qnn_losses": losses,
+            "torch_losses": pact_losses[: len(losses)], "max_rel_diff": max(diffs), "seconds": seconds}  # fmt: skip
+
+
+def run_workload(name: str, tasks, path: str, tokenizer, args, methods) -> dict:
+    users = {}
+    shared = None
+    if "shared" in methods:
+        pooled = [item for task in tasks for item in task.train]
+        shared_data = batches(tokenizer, pooled, args.steps, args.batch, args.seed)
+        log(f"{name}: shared adapter on {len(pooled)} items of {len(tasks)} users")
+        shared = build("shared", path, args)
+        start = time.perf_counter()
+        shared_losses = train(shared, shared_data, args.lr)
+        shared_info = {"train_s": time.perf_counter() - start, "steps": len(shared_data),
+                       "last_losses": shared_losses[-3:]}  # fmt: skip
+    for task in tasks:
+        data = batches(tokenizer, task.train, args.steps, args.batch, args.seed)
+        runs = {}
+        for method in methods:
+            if method == "shared":
+                runs[method] = {**evaluate(shared, tokenizer, task), **shared_info}
+                continue
+            seconds = runs.get("pact", {}).get("train_s", args.mezo_seconds)
+            runs[method] = run_method(method, task, path, tokenizer, data, args, seconds=seconds)
+            r = runs[method]
+            log(f"{name}/{task.user} {method}: accuracy {r['accuracy']:.1%} macro-F1 {r['f1']:.3f} "
+                f"({r.get('steps', 0)} steps, {r['train_s']:.1f} s)")  # fmt: skip
+        users[task.user] = {"train_items": len(task.train), "test_items": len(task.test), "labels": list(task.labels),
+                            "golds": [i["label"] for i in task.test], "methods": runs}  # fmt: skip
+    return {"users": users}
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="model folder (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument("--workloads", nargs="+", choices=("nightly", "movielens"), default=["nightly", "movielens"])
+    parser.add_argument("--steps", type=int, default=30, help="steps per adapter (every backprop method)")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--r", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--generated-users", type=int, default=3)
+    parser.add_argument("--items-per-user", type=int, default=200, help="generated and MovieLens users")
+    parser.add_argument("--test-fraction", type=float, default=0.2, help="the user's latest items held out")
+    parser.add_argument("--movielens-users", type=int, default=10, help="the most active users")
+    parser.add_argument("--movielens-user-ids", type=int, nargs="+", help="these users instead of the most active")
+    parser.add_argument("--movielens-deb", help="an r-cran-dslabs .deb to read instead of `apt-get download`")
+    parser.add_argument("--lamp-questions", help="LaMP-2 questions JSON: adds the lamp2 workload")
+    parser.add_argument("--lamp-outputs", help="LaMP-2 outputs JSON (the gold tags) for --lamp-questions")
+    parser.add_argument("--lamp-users", type=int, default=20, help="the first N LaMP-2 questions")
+    parser.add_argument("--mezo-lr", type=float, default=1e-4)
+    parser.add_argument("--mezo-eps", type=float, default=1e-3)
+    parser.add_argument("--mezo-seconds", type=float, default=30.0, help="MeZO's budget when pact is not run")
+    parser.add_argument("--qnn-steps", type=int, default=2, help="steps of PACT on qnn (0: skip)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the cpu_bf16 baseline")
+    parser.add_argument("--output", help="results folder (default: <cache>/personalization)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: machinery only, minutes")
+    parser.add_argument("--max-test-items", type=int, help="evaluate each user on at most this many later items")
+    parser.add_argument("--no-memory", dest="memory", action="store_false", help="skip the per-method memory probes")
+    parser.add_argument("--memory-child", choices=METHODS, help=argparse.SUPPRESS)
+    parser.add_argument("--table", metavar="RESULTS_JSON", help="print the markdown table of a past run and exit")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.batch, args.generated_users, args.items_per_user = 2, 2, 1, 12
+        args.movielens_users, args.lamp_users, args.qnn_steps, args.max_test_items = 1, 1, 0, 8
+    if (args.lamp_questions is None) != (args.lamp_outputs is None):
+        parser.error("--lamp-questions and --lamp-outputs go together: the questions and their gold outputs")
+    for name in ("steps", "batch", "items_per_user", "movielens_users", "lamp_users"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name)} must be at least 1")
+    if not 0 < args.test_fraction < 1:
+        parser.error(f"--test-fraction {args.test_fraction} must be between 0 and 1 (exclusive)")
+    return args
+
+
+def build_workloads(args) -> dict:
+    """Every user task, built (and its errors raised) before any training."""
+    workloads = {}
+    if "nightly" in args.workloads:
+        workloads["nightly"] = personal_tasks.nightly_tasks(
+            args.generated_users, args.items_per_user, args.test_fraction, args.seed
+        )
+    if "movielens" in args.workloads:
+        workloads["movielens"] = personal_tasks.movielens_tasks(
+            args.movielens_users, args.items_per_user, args.test_fraction, args.movielens_user_ids, args.movielens_deb
+        )
+    if args.lamp_questions:
+        workloads["lamp2"] = personal_tasks.lamp2_tasks(args.lamp_questions, args.lamp_outputs, args.lamp_users)
+    for tasks in workloads.values():
+        for task in tasks:
+            task.test = task.test[: args.max_test_items]
+    return workloads
+
+
+def model_path(args) -> str:
+    from optimum_pact.default_model import ensure_default_model
+
+    return args.model or str(ensure_default_model())
+
+
+def main(argv=None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args.table:
+        print(report.markdown_table(json.loads(Path(args.table).read_text())))
+        return {}
+    if args.memory_child:
+        memory_child(args)
+        return {}
+    from transformers import AutoTokenizer
+
+    from optimum_pact.default_model import cache_root
+
+    default_out = cache_root() / ("personalization-quick" if args.quick else "personalization")
+    out = Path(args.output) if args.output else default_out
+    out.mkdir(parents=True, exist_ok=True)
+    workloads = build_workloads(args)
+    path = model_path(args)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    methods = [m for m in METHODS if m in args.methods]
+    if "mezo" in methods and "pact" in methods:  # MeZO gets PACT's wall-clock: run PACT first
+        methods.remove("mezo")
+        methods.insert(methods.index("pact") + 1, "mezo")
+    start = time.perf_counter()
+    results = {
+        "bench": "eval_personalization",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.system()}",
+        "date": date.today().isoformat(),
+        "config": {k: v for k, v in vars(args).items() if k not in ("table", "output")},
+        "workloads": {},
+    }
+    for name, tasks in workloads.items():
+        results["workloads"][name] = run_workload(name, tasks, path, tokenizer, args, methods)
+    if args.qnn_steps and "pact" in methods and "nightly" in workloads:
+        task = workloads["nightly"][0]
+        data = batches(tokenizer, task.train, args.steps, args.batch, args.seed)
+        pact = results["workloads"]["nightly"]["users"][task.user]["methods"]["pact"]
+        log(f"qnn agreement: {args.qnn_steps} steps on the HTP emulator")
+        results["qnn_agreement"] = qnn_agreement(task, path, tokenizer, data, pact["all_losses"], args)
+    results["memory"] = measure_memory([m for m in methods if m != "shared"], argv) if args.memory else {}
+    results["wall_s"] = time.perf_counter() - start
+    report.summarize(results)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "results.md").write_text(report.markdown_table(results) + "\n")
+    results["plots"] = report.plot(results, out)
+    summary = {k: results[k] for k in ("bench", "date", "wall_s", "summary", "targets", "plots")}
+    summary["qnn_agreement"] = {k: v for k, v in results.get("qnn_agreement", {}).items() if "losses" not in k}
+    summary["output"] = str(out)
+    print(json.dumps(summary))
+    return results
+
+
+if __name__ == "__main__":
+    main()

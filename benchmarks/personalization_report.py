@@ -1,0 +1,123 @@
+"""Summary, targets, README table and plots of eval_personalization.py's results (a dict, as in results.json)."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+TARGETS = {  # (method, baseline, the least acceptable difference in accuracy points)
+    "pact_vs_fp32": ("pact", "fp32", -1.0),
+    "pact_vs_mezo_equal_wallclock": ("pact", "mezo", 0.0),
+    "pact_vs_qlora": ("pact", "qlora", 0.0),
+}
+LABELS = {
+    "zero_shot": "zero-shot base model", "majority": "majority tag (no model)", "shared": "shared adapter (PACT)",
+    "cpu_bf16": "peft LoRA bf16 (optimized CPU)", "fp32": "peft LoRA fp32 (reference)", "qlora": "QLoRA (bnb nf4)",
+    "pact": "PACT (torch backend)", "mezo": "MeZO forward-only, PACT's wall-clock",
+}  # fmt: skip
+
+
+def _mean(values):
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def summarize(results: dict) -> None:
+    """Adds results["summary"] (per workload and method: means over users) and results["targets"]."""
+    summary, targets, memory = {}, {}, results.get("memory", {})
+    for name, workload in results["workloads"].items():
+        users = workload["users"].values()
+        methods = list(next(iter(users))["methods"]) if users else []
+        rows = {}
+        for method in methods:
+            runs = [u["methods"][method] for u in users]
+            rows[method] = {
+                "accuracy": _mean(r["accuracy"] for r in runs),
+                "macro_f1": _mean(r["f1"] for r in runs),
+                "pooled_accuracy": _mean(p == g for u in users for p, g in zip(u["methods"][method]["predictions"],
+                                                                               u["golds"])),
+                "train_s": _mean(r.get("train_s") for r in runs),
+                "steps": _mean(r.get("steps") for r in runs),
+                "peak_gib": memory.get("pact" if method == "shared" else method, {}).get("peak_gib"),
+                "users": len(runs),
+            }  # fmt: skip
+        summary[name] = rows
+        for target, (method, baseline, least) in TARGETS.items():
+            if method not in rows or baseline not in rows:
+                continue
+            diffs = [100 * (u["methods"][method]["accuracy"] - u["methods"][baseline]["accuracy"]) for u in users]
+            mean = sum(diffs) / len(diffs)
+            sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)) if len(diffs) > 1 else None
+            se = sd / math.sqrt(len(diffs)) if sd is not None else None
+            targets.setdefault(name, {})[target] = {
+                "points": mean, "se": se, "least": least, "met": mean >= least, "users": len(diffs)
+            }  # fmt: skip
+    results["summary"], results["targets"] = summary, targets
+
+
+def _fmt(value, pattern: str) -> str:
+    return "-" if value is None else pattern.format(value)
+
+
+def markdown_table(results: dict) -> str:
+    config = results["config"]
+    lines = [
+        f"Measured {results['date']} on {results['machine']}; SmolLM2-135M-Instruct, LoRA r={config['r']}, "
+        f"{config['steps']} steps of {config['batch']} per adapter, lr {config['lr']}, seed {config['seed']}.",
+        "",
+    ]
+    for name, rows in results["summary"].items():
+        n = next(iter(rows.values()))["users"] if rows else 0
+        lines += [f"**{name}** ({n} users; means over users)", "",
+                  "| method | accuracy | macro-F1 | train s / user | steps | peak memory (GiB) |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        for method, r in rows.items():
+            cells = [LABELS.get(method, method), _fmt(r["accuracy"], "{:.1%}"), _fmt(r["macro_f1"], "{:.3f}")]
+            cells += [_fmt(r["train_s"], "{:.1f}"), _fmt(r["steps"], "{:.0f}"), _fmt(r["peak_gib"], "{:.2f}")]
+            lines.append("| " + " | ".join(cells) + " |")
+        for target, t in results["targets"].get(name, {}).items():
+            se = f" +/- {t['se']:.1f}" if t["se"] is not None else ""
+            verdict = "met" if t["met"] else "MISSED"
+            lines.append(f"\n{target}: {t['points']:+.1f}{se} points (target >= {t['least']:+.0f}): {verdict}")
+        lines.append("")
+    agreement = results.get("qnn_agreement")
+    if agreement and "max_rel_diff" in agreement:
+        where = f"{agreement['steps']} steps on {agreement['user']}"
+        diff = f"largest relative loss difference {agreement['max_rel_diff']:.2%}"
+        lines.append(f"PACT on qnn (HTP emulator) vs the torch backend, {where}: {diff}.")
+    return "\n".join(lines).rstrip()
+
+
+def plot(results: dict, out: Path) -> list[str]:
+    """accuracy_vs_wallclock.png and accuracy_vs_memory.png: one point per method, one panel per workload."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("[eval] matplotlib is not installed: no plots (pip install 'optimum-pact[bench]')", file=sys.stderr)
+        return []
+    written = []
+    summary = results["summary"]
+    for key, xlabel, filename in (("train_s", "training wall-clock per user (s)", "accuracy_vs_wallclock.png"),
+                                  ("peak_gib", "peak memory above idle (GiB)", "accuracy_vs_memory.png")):  # fmt: skip
+        fig, axes = plt.subplots(1, len(summary), figsize=(5.5 * len(summary), 4.2), squeeze=False)
+        for ax, (name, rows) in zip(axes[0], summary.items()):
+            for method, r in rows.items():
+                if method == "majority":
+                    ax.axhline(r["accuracy"], color="grey", linestyle="--", label=LABELS[method])
+                    continue
+                if r[key] is not None:
+                    ax.scatter(r[key], r["accuracy"], label=LABELS.get(method, method), s=50)
+            ax.set_title(f"{name} ({next(iter(rows.values()))['users']} users)")
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("held-out accuracy (mean over users)")
+        axes[0][-1].legend(fontsize=7, loc="best")
+        fig.suptitle(f"SmolLM2-135M personalization, {results['date']}, {results['machine']}", fontsize=9)
+        fig.tight_layout()
+        fig.savefig(out / filename, dpi=110)
+        plt.close(fig)
+        written.append(str(out / filename))
+    return written

@@ -1,0 +1,184 @@
+"""The personalization benchmark: LaMP-2 loader and official metrics, user tasks, MeZO, and --quick end to end."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+FIXTURE = Path(__file__).parent / "fixtures" / "lamp2"
+sys.path.insert(0, str(BENCH))
+
+import lamp  # noqa: E402
+import mezo  # noqa: E402
+import movielens  # noqa: E402
+import personal_tasks  # noqa: E402
+import personal_users  # noqa: E402
+
+
+def test_lamp2_fixture_loads_with_golds():
+    questions = lamp.load_lamp2(FIXTURE / "dev_questions.json", FIXTURE / "dev_outputs.json")
+    assert [q.id for q in questions] == ["110", "210", "310"]
+    assert [q.output for q in questions] == ["comedy", "sci-fi", "action"]
+    assert all(len(q.profile) == 8 for q in questions)
+    assert questions[0].description == "A wedding planner accidentally books the same venue for three couples."
+    assert set(questions[0].profile[0]) == {"id", "tag", "description"}
+    assert all(p["tag"] in lamp.LAMP2_TAGS for q in questions for p in q.profile)
+    assert lamp.load_lamp2(FIXTURE / "dev_questions.json")[0].output is None  # questions alone: no golds
+
+
+def test_lamp2_metrics_follow_the_official_definition():
+    # preds map to [comedy, sci-fi, not-a-tag], golds to [comedy, action, sci-fi]: one right; only comedy has F1 > 0
+    got = lamp.lamp2_metrics(["comedy ", "sci-fi", "drama"], ["comedy", "action", "sci-fi"])
+    assert got["accuracy"] == pytest.approx(1 / 3)
+    assert got["f1"] == pytest.approx(1 / 15)  # macro over all 15 tags, absent tags scoring 0 (sklearn's convention)
+    two = lamp.lamp2_metrics(["a", "a", "b"], ["a", "b", "b"], labels=("a", "b"))
+    assert two == {"accuracy": pytest.approx(2 / 3), "f1": pytest.approx(2 / 3)}  # F1(a) = F1(b) = 2/3
+
+
+@pytest.mark.parametrize(
+    "mutate, field",
+    [
+        (lambda q: q[1].pop("profile"), '"profile"'),
+        (lambda q: q[0]["profile"][2].pop("tag"), '"tag"'),
+        (lambda q: q[2].update(input=["not", "a", "string"]), '"input"'),
+    ],
+)
+def test_lamp2_wrong_schema_names_the_field(tmp_path, mutate, field):
+    questions = json.loads((FIXTURE / "dev_questions.json").read_text())
+    mutate(questions)
+    path = tmp_path / "questions.json"
+    path.write_text(json.dumps(questions))
+    with pytest.raises(ValueError, match=field) as err:
+        lamp.load_lamp2(path)
+    assert str(path) in str(err.value) and "schema" in str(err.value)
+
+
+def test_lamp2_outputs_schema_and_task_are_checked(tmp_path):
+    outputs = tmp_path / "outputs.json"
+    outputs.write_text(json.dumps({"task": "LaMP_2", "golds": [{"id": "110"}]}))
+    with pytest.raises(ValueError, match='"output"'):
+        lamp.load_lamp2(FIXTURE / "dev_questions.json", outputs)
+    outputs.write_text(json.dumps({"task": "LaMP_4", "golds": []}))
+    with pytest.raises(ValueError, match="LaMP_2"):
+        lamp.load_lamp2(FIXTURE / "dev_questions.json", outputs)
+    outputs.write_text(json.dumps({"task": "LaMP_2", "golds": [{"id": "110", "output": "comedy"}]}))
+    with pytest.raises(ValueError, match="no gold output for question ids"):
+        lamp.load_lamp2(FIXTURE / "dev_questions.json", outputs)
+
+
+def test_lamp2_tasks_train_on_the_profile_and_reject_short_ones(tmp_path):
+    tasks = personal_tasks.lamp2_tasks(FIXTURE / "dev_questions.json", FIXTURE / "dev_outputs.json")
+    assert [len(t.train) for t in tasks] == [8, 8, 8] and [t.test[0]["label"] for t in tasks] == [
+        "comedy",
+        "sci-fi",
+        "action",
+    ]
+    assert tasks[0].labels == lamp.LAMP2_TAGS
+    questions = json.loads((FIXTURE / "dev_questions.json").read_text())
+    questions[1]["profile"] = questions[1]["profile"][:3]
+    path = tmp_path / "questions.json"
+    path.write_text(json.dumps(questions))
+    with pytest.raises(ValueError, match="question 210 has a profile of 3 items"):
+        personal_tasks.lamp2_tasks(path, FIXTURE / "dev_outputs.json")
+
+
+def test_a_user_with_too_few_items_is_a_clear_error():
+    items = [{"text": f"note {i}", "label": "a" if i % 2 else "b"} for i in range(6)]
+    with pytest.raises(
+        ValueError, match=r"movielens user 42 has 6 items; a user needs at least 10 .*--items-per-user"
+    ):
+        personal_tasks.split_user("movielens", 42, items, 0.2, hint=" (--items-per-user)")
+    task = personal_tasks.split_user("nightly", "u", items * 2, 0.25)
+    assert (len(task.train), len(task.test)) == (9, 3) and task.test == (items * 2)[9:]  # the latest items held out
+    assert task.labels == ("a", "b") and task.majority in ("a", "b")
+
+
+def test_generated_users_are_deterministic_and_use_private_tags():
+    a, b = personal_users.generate_user(0, 50), personal_users.generate_user(1, 50)
+    assert a == personal_users.generate_user(0, 50)
+    assert {i["label"] for i in a} != {i["label"] for i in b}
+    assert len({i["text"] for i in a}) > 30  # varied notes, not a handful repeated
+
+
+def test_movielens_item_text_and_label():
+    record = {"title": "Toy Story", "year": 1995, "genres": "Adventure|Animation", "rating": 4.0}
+    assert movielens.item(record) == {"text": "Toy Story (1995), Adventure, Animation", "label": "liked"}
+    assert movielens.item({**record, "rating": 3.5, "year": None})["label"] == "skip"
+    with pytest.raises(ValueError, match="no user 0"):
+        movielens.user_items({1: [record]}, 0, 10)
+
+
+def test_mezo_descends_with_forward_passes_only():
+    torch.manual_seed(0)
+    target = torch.randn(32)
+    param = torch.nn.Parameter(torch.zeros(32))
+    optimizer = mezo.MeZO([param], lr=2e-3, eps=1e-3, seed=0)
+    loss = lambda: ((param - target) ** 2).sum()  # noqa: E731
+    start = loss().item()
+    for _ in range(400):
+        optimizer.step(loss)
+    assert param.grad is None  # no autograd anywhere
+    assert loss().item() < 0.5 * start
+
+
+def test_mezo_step_restores_then_moves_along_the_seeded_direction():
+    param = torch.nn.Parameter(torch.zeros(8))
+    optimizer = mezo.MeZO([param], lr=0.1, eps=1e-2, seed=3)
+    optimizer.step(lambda: param.sum())  # L+ - L- = 2 eps sum(z): grad estimate sum(z)
+    z = torch.randn(8, generator=torch.Generator().manual_seed(3 * 1_000_003))
+    torch.testing.assert_close(param.detach(), -0.1 * z.sum() * z, rtol=1e-4, atol=1e-6)
+
+
+def test_table_is_written_from_a_results_file(tmp_path, capsys):
+    import eval_personalization
+
+    results = {
+        "date": "2026-11-30", "machine": "x86_64, 2 CPU cores, Linux",
+        "config": {"r": 8, "steps": 30, "batch": 8, "lr": 2e-3, "seed": 0},
+        "summary": {"nightly": {m: {"accuracy": a, "macro_f1": 0.5, "train_s": 10.0, "steps": 30, "peak_gib": 0.7,
+                                    "users": 4} for m, a in (("fp32", 0.8), ("pact", 0.795))}},
+        "targets": {"nightly": {"pact_vs_fp32": {"points": -0.5, "se": 0.3, "least": -1.0, "met": True, "users": 4}}},
+    }  # fmt: skip
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(results))
+    eval_personalization.main(["--table", str(path)])
+    out = capsys.readouterr().out
+    assert "| PACT (torch backend) | 79.5% | 0.500 | 10.0 | 30 | 0.70 |" in out
+    assert "pact_vs_fp32: -0.5 +/- 0.3 points (target >= -1): met" in out
+
+
+def test_lamp_files_go_together():
+    import eval_personalization
+
+    with pytest.raises(SystemExit):
+        eval_personalization.parse_args(["--lamp-questions", str(FIXTURE / "dev_questions.json")])
+
+
+@pytest.mark.slow
+def test_quick_mode_runs_end_to_end(tmp_path):
+    """--quick on real SmolLM2 weights and real MovieLens data, plus the LaMP-2 fixture: every method, every user."""
+    import eval_personalization
+
+    lamp_args = [
+        "--lamp-questions",
+        str(FIXTURE / "dev_questions.json"),
+        "--lamp-outputs",
+        str(FIXTURE / "dev_outputs.json"),
+    ]
+    results = eval_personalization.main(["--quick", "--output", str(tmp_path), *lamp_args])
+    assert set(results["workloads"]) == {"nightly", "movielens", "lamp2"}
+    assert list(results["workloads"]["lamp2"]["users"]) == ["110"]  # --quick: the first question only
+    for workload in results["workloads"].values():
+        for user in workload["users"].values():
+            assert set(user["methods"]) == set(eval_personalization.METHODS)
+            assert all(len(run["predictions"]) == len(user["golds"]) for run in user["methods"].values())
+            assert user["methods"]["pact"]["steps"] == 2 and user["methods"]["mezo"]["steps"] >= 1
+    assert set(results["memory"]) == set(eval_personalization.METHODS) - {"majority", "shared"}
+    assert all(m["peak_gib"] > 0 for m in results["memory"].values())
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert set(saved["targets"]["nightly"]) == {"pact_vs_fp32", "pact_vs_mezo_equal_wallclock", "pact_vs_qlora"}
+    assert "| PACT (torch backend) |" in (tmp_path / "results.md").read_text()
+    assert all(Path(p).stat().st_size > 0 for p in results["plots"]) and len(results["plots"]) == 2
