@@ -320,6 +320,18 @@ def build_workloads(args) -> dict:
     return workloads
 
 
+def save(results: dict, out: Path) -> None:
+    """results.json and results.md, each replaced whole (written beside, then renamed)."""
+    report.summarize(results)
+    for name, text in (
+        ("results.json", json.dumps(results, indent=1)),
+        ("results.md", report.markdown_table(results)),
+    ):
+        partial = out / f".{name}.partial"
+        partial.write_text(text + "\n")
+        partial.replace(out / name)
+
+
 def model_path(args) -> str:
     from optimum_pact.default_model import ensure_default_model
 
@@ -361,17 +373,20 @@ def main(argv=None) -> dict:
     }
     for name, tasks in workloads.items():
         results["workloads"][name] = run_workload(name, tasks, path, tokenizer, args, methods)
+        save(results, out)  # a crash later keeps the finished workloads
     if args.qnn_steps and "pact" in methods and "nightly" in workloads:
         task = workloads["nightly"][0]
         data = batches(tokenizer, task.train, args.steps, args.batch, args.seed)
         pact = results["workloads"]["nightly"]["users"][task.user]["methods"]["pact"]
         log(f"qnn agreement: {args.qnn_steps} steps on the HTP emulator")
-        results["qnn_agreement"] = qnn_agreement(task, path, tokenizer, data, pact["all_losses"], args)
+        try:
+            results["qnn_agreement"] = qnn_agreement(task, path, tokenizer, data, pact["all_losses"], args)
+        except Exception as err:  # keep the hour of results above; the error is reported in them
+            log(f"qnn agreement failed: {err!r}")
+            results["qnn_agreement"] = {"error": repr(err)}
     results["memory"] = measure_memory([m for m in methods if m != "shared"], argv) if args.memory else {}
     results["wall_s"] = time.perf_counter() - start
-    report.summarize(results)
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / "results.md").write_text(report.markdown_table(results) + "\n")
+    save(results, out)
     results["plots"] = report.plot(results, out)
     summary = {k: results[k] for k in ("bench", "date", "wall_s", "summary", "targets", "plots")}
     summary["qnn_agreement"] = {k: v for k, v in results.get("qnn_agreement", {}).items() if "losses" not in k}
