@@ -82,10 +82,12 @@ def markdown_table(results: dict) -> str:
             lines.append(f"\n{target}: {t['points']:+.1f}{se} points (target >= {t['least']:+.0f}): {verdict}")
         lines.append("")
     agreement = results.get("qnn_agreement")
-    if agreement and "max_rel_diff" in agreement:
-        where = f"{agreement['steps']} steps on {agreement['user']}"
-        diff = f"largest relative loss difference {agreement['max_rel_diff']:.2%}"
-        lines.append(f"PACT on qnn (HTP emulator) vs the torch backend, {where}: {diff}.")
+    if agreement and "steps" in agreement:
+        where = f"{len(agreement['steps'])} steps on {agreement['user']}, same parameters"
+        diff = f"loss within {agreement['max_loss_rel_diff']:.2%}, adapter gradients cosine >= "
+        lines.append(
+            f"PACT on qnn (HTP emulator) vs the torch backend, {where}: {diff}{agreement['min_grad_cosine']:.4f}."
+        )
     return "\n".join(lines).rstrip()
 
 
