@@ -25,8 +25,6 @@ Writes results.json, results.md (the table) and PNG plots to --output; stdout ge
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import json
 import os
 import platform
@@ -38,26 +36,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import personal_tasks  # noqa: E402
 import personalization_report as report  # noqa: E402
+from bench_memory import _reset_hwm, _status_bytes, _trim  # noqa: E402  (VmRSS/VmHWM helpers, one copy)
 
 METHODS = ("zero_shot", "majority", "shared", "cpu_bf16", "fp32", "qlora", "pact", "mezo")
-BACKPROP = ("cpu_bf16", "fp32", "qlora", "pact", "shared")
 
 
 def log(*args) -> None:
     print("[eval]", *args, file=sys.stderr, flush=True)
-
-
-def _rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
-
-
-def _trim() -> None:
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
 
 
 def memory_child(args) -> None:
@@ -78,17 +63,16 @@ def memory_child(args) -> None:
     tokenizer = AutoTokenizer.from_pretrained(path)
     data = batches(tokenizer, task.train, args.steps, args.batch, args.seed)
     _trim()
-    idle = _rss("VmRSS")
+    idle = _status_bytes("VmRSS")
     marks = {}
 
     def built():
-        marks["load"] = _rss("VmHWM")
+        marks["load"] = _status_bytes("VmHWM")
         _trim()
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # VmHWM := the current RSS (Linux >= 4.0)
+        _reset_hwm()
 
     run_method(method, task, path, tokenizer, data, args, seconds=args.mezo_seconds, on_built=built)
-    gib = {"idle_gib": idle, "load_peak_gib": marks["load"] - idle, "peak_gib": _rss("VmHWM") - idle}
+    gib = {"idle_gib": idle, "load_peak_gib": marks["load"] - idle, "peak_gib": _status_bytes("VmHWM") - idle}
     print(json.dumps({"method": method, **{k: v / 2**30 for k, v in gib.items()}}))
 
 
@@ -154,13 +138,17 @@ def batches(tokenizer, items: list[dict], steps: int, batch_size: int, seed: int
     return [dict(collate([rows[i] for i in order[s * batch_size : (s + 1) * batch_size]])) for s in range(steps)]
 
 
-def train(model, data: list[dict], lr: float) -> list[float]:
+def optimizer(params, lr: float, steps: int):
+    """AdamW with 5 warm-up steps (fewer on short runs) and linear decay: every backprop method's schedule."""
     import torch
     from transformers import get_linear_schedule_with_warmup
 
-    params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr)
-    schedule = get_linear_schedule_with_warmup(opt, min(5, len(data) // 4), len(data))
+    return opt, get_linear_schedule_with_warmup(opt, min(5, steps // 4), steps)
+
+
+def train(model, data: list[dict], lr: float) -> list[float]:
+    opt, schedule = optimizer([p for p in model.parameters() if p.requires_grad], lr, len(data))
     model.train()
     losses = []
     for batch in data:
@@ -220,7 +208,6 @@ def qnn_agreement(task, path: str, tokenizer, data, args) -> dict:
     that differ in sign move weights by a full step.)
     """
     import torch
-    from transformers import get_linear_schedule_with_warmup
 
     from optimum_pact.backends import get_backend
 
@@ -231,8 +218,7 @@ def qnn_agreement(task, path: str, tokenizer, data, args) -> dict:
     ref, npu = build("pact", path, args), build("pact", path, args, backend="qnn")
     params = {n: p for n, p in ref.named_parameters() if p.requires_grad}
     mirror = {n: p for n, p in npu.named_parameters() if p.requires_grad}
-    opt = torch.optim.AdamW(params.values(), lr=args.lr)
-    schedule = get_linear_schedule_with_warmup(opt, min(5, len(data) // 4), len(data))
+    opt, schedule = optimizer(params.values(), args.lr, len(data))
     steps, start = [], time.perf_counter()
     for batch in data[: args.qnn_steps]:
         with torch.no_grad():
@@ -418,7 +404,7 @@ def main(argv=None) -> dict:
     save(results, out)
     results["plots"] = report.plot(results, out)
     summary = {k: results[k] for k in ("bench", "date", "wall_s", "summary", "targets", "plots")}
-    summary["qnn_agreement"] = {k: v for k, v in results.get("qnn_agreement", {}).items() if "losses" not in k}
+    summary["qnn_agreement"] = results.get("qnn_agreement", {})
     summary["output"] = str(out)
     print(json.dumps(summary))
     return results
