@@ -47,9 +47,13 @@ def build(arm: str, path: str, args):
     """The model of one arm with its adapters, plus a description of what was protected / adapted."""
     import torch
     from peft import LoraConfig, get_peft_model
+    from protection_controls import matched_random_protected
     from transformers import AutoModelForCausalLM
 
-    from peft_ext import PactConfig, protection
+    from peft_ext import PactConfig
+    from peft_ext.backward_stop import stop_backward_below
+    from peft_ext.blocks import lowest_trainable_block
+    from peft_ext.ranking import choose_protected
 
     lora = dict(r=args.r, lora_alpha=2 * args.r, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
     dtype = torch.float32 if arm in ("base", "lora_fp32") else torch.bfloat16
@@ -71,15 +75,15 @@ def build(arm: str, path: str, args):
     if arm == "aqlora_speed" and args.adapt_top_blocks is not None:
         extra["adapt_top_blocks"] = args.adapt_top_blocks
     if arm == "aqlora_random":
-        ranked = protection.choose_protected(model, args.protect_fraction, args.rank_by)
-        extra["protected_modules"] = protection.matched_random_protected(model, ranked, seed=args.seed)
+        ranked = choose_protected(model, args.protect_fraction, args.rank_by)
+        extra["protected_modules"] = matched_random_protected(model, ranked, seed=args.seed)
         info["error_ranked_would_protect"] = ranked
     model = get_peft_model(model, PactConfig(**lora, **extra))
     if arm == "aqlora_speed":
-        protection.stop_backward_below(model, protection.lowest_trainable_block(model))
+        stop_backward_below(model, lowest_trainable_block(model))
     config = model.peft_config["default"]
     info.update(protected=getattr(config, "protected_modules", None),
-                lowest_adapted_block=protection.lowest_trainable_block(model))  # fmt: skip
+                lowest_adapted_block=lowest_trainable_block(model))  # fmt: skip
     return model, info
 
 
@@ -237,14 +241,11 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from optimum_pact.default_model import cache_root, ensure_default_model
+    from optimum_pact.cache import cache_dir
+    from optimum_pact.commands.default_model import ensure_default_model
 
     path = args.model or str(ensure_default_model())
-    out = (
-        Path(args.output)
-        if args.output
-        else cache_root() / "aqlora" / ("accuracy-quick" if args.quick else "accuracy")
-    )
+    out = Path(args.output) if args.output else cache_dir("aqlora", "accuracy-quick" if args.quick else "accuracy")
     out.mkdir(parents=True, exist_ok=True)
     train_set, test_set = strategyqa.split(
         strategyqa.load_examples(strategyqa.ensure_task()), args.test_size, args.seed

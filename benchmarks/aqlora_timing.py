@@ -28,6 +28,9 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))  # protection_controls, beside this script
 
 ARMS = ("lora_fp32", "lora_bf16", "qlora_nf4", "pact", "aqlora_quality", "aqlora_speed")
 DUPLICATE = "qlora_nf4"  # measured twice per session: the noise floor
@@ -74,11 +77,12 @@ def aqlora_available() -> bool:
 
 def model_folder(key: str, quick: bool) -> str:
     """A local model folder: the cached SmolLM2-135M, or the Qwen2.5-0.5B architecture with seed-0 random weights."""
-    from optimum_pact.default_model import cache_root, ensure_default_model
+    from optimum_pact.cache import cache_dir
+    from optimum_pact.commands.default_model import ensure_default_model
 
     if key == "smollm2":
         return str(ensure_default_model())
-    folder = cache_root() / "aqlora" / ("qwen2.5-0.5b-arch-tiny" if quick else "qwen2.5-0.5b-arch-random")
+    folder = cache_dir("aqlora", "qwen2.5-0.5b-arch-tiny" if quick else "qwen2.5-0.5b-arch-random")
     if not (folder / "config.json").is_file():
         import torch
         from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -117,7 +121,8 @@ def build(arm: str, path: str, r: int, protect_fraction: float, adapt_top_blocks
     extra = {"adapt_top_blocks": adapt_top_blocks} if adapt == "speed" else {}
     model = get_peft_model(model, PactConfig(**lora, protect_fraction=protect_fraction, adapt=adapt, **extra))
     if adapt == "speed":
-        from peft_ext.protection import lowest_trainable_block, stop_backward_below
+        from peft_ext.backward_stop import stop_backward_below
+        from peft_ext.blocks import lowest_trainable_block
 
         stop_backward_below(model, lowest_trainable_block(model))  # idempotent if the wiring already did it
     return model
@@ -128,7 +133,7 @@ def layer_counts(model) -> dict:
     from torch import nn
 
     from optimum_pact.dataflow import FrozenLinear
-    from peft_ext.protection import block_index, lowest_trainable_block
+    from peft_ext.blocks import block_index, lowest_trainable_block
 
     modules = [(n, m) for n, m in model.named_modules() if block_index(n) is not None and "lora_" not in n]
     frozen = [m for _, m in modules if isinstance(m, FrozenLinear) and getattr(m, "precision", "nvfp4") == "nvfp4"]
@@ -147,7 +152,7 @@ def layer_counts(model) -> dict:
         if sixteen_bit != len(protected):
             counts["warning"] = (
                 f"{sixteen_bit} decoder linears are 16-bit but {len(protected)} are protected: not the AQLoRA "
-                "recipe (unadapted layers left unquantized? see peft_ext.protection.quantize_unadapted)"
+                "recipe (unadapted layers left unquantized? see peft_ext.blocks.quantize_unadapted)"
             )
             log(f"WARNING: {counts['warning']}")
     return counts
@@ -244,26 +249,28 @@ def summarize(sessions: list[dict]) -> dict:
 def ranking_report(keys: list[str], quick: bool, protect_fraction: float, repeats: int = 3) -> dict:
     """Ranking time (nf4, nvfp4), the protected layers, their premium and the memory-matched random control."""
     import torch
+    from protection_controls import matched_random_protected, protection_premium_mib
     from transformers import AutoModelForCausalLM
 
-    from peft_ext import protection
+    from peft_ext.blocks import decoder_linears, num_blocks
+    from peft_ext.ranking import RANK_BY, choose_protected, rank_layers
 
     out = {}
     for key in keys:
         model = AutoModelForCausalLM.from_pretrained(model_folder(key, quick), dtype=torch.bfloat16)
-        linears = protection.decoder_linears(model)
+        linears = decoder_linears(model)
         numel = {name: layer.weight.numel() for name, layer in linears.items()}
-        entry = {"linears": len(linears), "blocks": protection.num_blocks(model)}
-        for rank_by in protection.RANK_BY:
+        entry = {"linears": len(linears), "blocks": num_blocks(model)}
+        for rank_by in RANK_BY:
             walls, cpus = [], []
             for _ in range(repeats):  # shared machines stall whole passes: keep every time, report the best
                 start, cpu = time.perf_counter(), time.process_time()
-                ranking = protection.rank_layers(model, rank_by)
+                ranking = rank_layers(model, rank_by)
                 walls.append(time.perf_counter() - start)
                 cpus.append(time.process_time() - cpu)
             seconds, cpu = min(walls), min(cpus)
-            chosen = protection.choose_protected(ranking, protect_fraction)
-            control = protection.matched_random_protected(model, chosen, seed=0)
+            chosen = choose_protected(ranking, protect_fraction)
+            control = matched_random_protected(model, chosen, seed=0)
             entry[rank_by] = {
                 "seconds": seconds,
                 "cpu_seconds": cpu,
@@ -271,7 +278,7 @@ def ranking_report(keys: list[str], quick: bool, protect_fraction: float, repeat
                 "threads": torch.get_num_threads(),
                 "protected": chosen,
                 "errors": dict(ranking[: len(chosen) + 3]),
-                "premium_mib": protection.protection_premium_mib(model, chosen),
+                "premium_mib": protection_premium_mib(model, chosen),
                 # the share of frozen-product work that skips dequantization: what protection can buy in time
                 "protected_weight_share": sum(numel[n] for n in chosen) / sum(numel.values()),
                 "matched_random_control": control,

@@ -6,13 +6,27 @@ import torch
 from optimum_pact.nvfp4 import (
     E2M1_VALUES,
     dequantize_reference,
+    fake_quantize,
     float_to_e2m1,
     pack_e2m1,
     quantize,
+    tensor_scale,
     unpack_e2m1,
 )
+from optimum_pact.nvfp4.format import _e2m1_round, e2m1_table
 
-torchao_nvfp4 = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
+
+@pytest.fixture
+def torchao_quantize():
+    """torchao's NVFP4 quantizer (the `test` extra), as (qdata, scale, scale_2); skips the test without torchao."""
+    nvfp4 = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
+
+    def run(weight):
+        scale_2 = nvfp4.per_tensor_amax_to_scale(weight.abs().max())
+        scale, qdata = nvfp4.nvfp4_quantize(weight, 16, scale_2)
+        return qdata, scale, scale_2
+
+    return run
 
 
 @pytest.mark.parametrize(
@@ -39,19 +53,13 @@ def test_pack_low_nibble_first():
     assert torch.equal(unpack_e2m1(packed), codes)
 
 
-def _torchao(weight):
-    scale_2 = torchao_nvfp4.per_tensor_amax_to_scale(weight.abs().max())
-    scale, qdata = torchao_nvfp4.nvfp4_quantize(weight, 16, scale_2)
-    return qdata, scale, scale_2
-
-
 @pytest.mark.parametrize("shape", [(32, 64), (96, 576), (7, 1536)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantize_matches_torchao_bit_for_bit(shape, dtype):
+def test_quantize_matches_torchao_bit_for_bit(torchao_quantize, shape, dtype):
     torch.manual_seed(sum(shape))
     weight = (torch.randn(shape) * torch.rand(shape[0], 1) * 4).to(dtype)
     q = quantize(weight)
-    qdata, scale, scale_2 = _torchao(weight)
+    qdata, scale, scale_2 = torchao_quantize(weight)
     assert torch.equal(q.qdata, qdata)
     assert torch.equal(q.scale.view(torch.uint8), scale.view(torch.uint8))
     assert torch.equal(q.scale_2, scale_2.float())
@@ -85,8 +93,6 @@ def test_block_with_one_huge_outlier():
     w = torch.randn(8, 64) * 1e-2
     w[3, 5] = 1e4
     q = quantize(w)
-    qdata, scale, _ = _torchao(w)
-    assert torch.equal(q.qdata, qdata) and torch.equal(q.scale.view(torch.uint8), scale.view(torch.uint8))
     deq = q.dequantize()
     assert deq[3, 5].item() == pytest.approx(1e4, rel=1e-6)  # the outlier itself is exact up to fp32 rounding
     assert torch.isfinite(deq).all()
@@ -115,3 +121,45 @@ def test_sqnr_gaussian_weight():
     deq = dequantize_reference(*(lambda q: (q.qdata, q.scale, q.scale_2))(quantize(w)))
     sqnr = 10 * torch.log10(w.pow(2).sum() / (w - deq).pow(2).sum()).item()
     assert sqnr > 19.5, f"NVFP4 SQNR {sqnr:.2f} dB for a 256x512 N(0,1) weight; expected > 19.5 dB"
+
+
+def test_block_with_one_huge_outlier_matches_torchao(torchao_quantize):
+    torch.manual_seed(0)
+    w = torch.randn(8, 64) * 1e-2
+    w[3, 5] = 1e4
+    q = quantize(w)
+    qdata, scale, _ = torchao_quantize(w)
+    assert torch.equal(q.qdata, qdata) and torch.equal(q.scale.view(torch.uint8), scale.view(torch.uint8))
+
+
+def _weight(shape, dtype):
+    w = torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 0.02
+    w[0, :3] = 0.0  # exact zeros
+    w[-1, -1] = 0.5  # an outlier
+    return w.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(64, 128), (96, 208), (7, 48), (33, 16)])
+def test_fake_quantize_is_bit_exact_with_the_reference(shape, dtype):
+    w = _weight(shape, dtype)
+    q = quantize(w)
+    expected = dequantize_reference(q.qdata, q.scale, q.scale_2)
+    assert torch.equal(fake_quantize(w), expected)
+    assert torch.equal(tensor_scale(w), q.scale_2)
+    # slices of rows with the whole weight's scale_2 (the amax sits in the last row) give the same rows
+    rows = [fake_quantize(w[start : start + 5], tensor_scale(w)) for start in range(0, shape[0], 5)]
+    assert torch.equal(torch.cat(rows), expected)
+    assert torch.equal(fake_quantize(torch.zeros(4, 32)), torch.zeros(4, 32))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        fake_quantize(torch.randn(4, 24))
+
+
+def test_fast_e2m1_rounding_is_exact_at_every_tie():
+    # every multiple of 1/64 in [-6, 6] (all ties included), its float neighbours, and -0.0
+    grid = torch.arange(-384, 385, dtype=torch.float32) / 64
+    up, down = torch.tensor(8.0), torch.tensor(-8.0)
+    y = torch.cat([grid, torch.nextafter(grid, up), torch.nextafter(grid, down), torch.tensor([-0.0])]).clamp(-6, 6)
+    expected = e2m1_table()[float_to_e2m1(y).long()]
+    got = _e2m1_round(y)
+    assert torch.equal(got, expected) and torch.equal(got.signbit(), expected.signbit())

@@ -206,10 +206,11 @@ def test_other_dtypes_use_the_reference():
 @pytest.mark.parametrize("tile_size", [None, 32])
 def test_frozen_linear_native_equals_torch_path(monkeypatch, tile_size):
     """Forward and input gradient through FrozenLinear (row and column tiles): both dequantizers, same bits."""
+    from optimum_pact.backends import get_backend
     from optimum_pact.dataflow.linear import FrozenLinear
 
     torch.manual_seed(0)
-    layer = FrozenLinear.from_linear(torch.nn.Linear(96, 80), tile_size=tile_size)
+    layer = FrozenLinear.from_linear(torch.nn.Linear(96, 80), backend=get_backend("torch", tile_size=tile_size))
     x = torch.randn(3, 7, 96, dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn(3, 7, 80, dtype=torch.bfloat16)
     results = []

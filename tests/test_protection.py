@@ -15,31 +15,30 @@ from peft import LoraConfig, get_peft_model
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import peft_ext.protection as protection
+import peft_ext.ranking as ranking
+from optimum_pact.backends import get_backend
 from optimum_pact.dataflow import FrozenLinear
-from optimum_pact.nvfp4 import dequantize_reference, float_to_e2m1, quantize
-from optimum_pact.nvfp4.format import e2m1_table
+from optimum_pact.nvfp4 import dequantize_reference, quantize
 from peft_ext import PactConfig
-from peft_ext.protection import (
-    NF4_VALUES,
+from peft_ext.backward_stop import stop_backward_below
+from peft_ext.blocks import (
     block_index,
-    check_protect_fraction,
-    check_rank_by,
-    choose_protected,
     decoder_linears,
     default_top_blocks,
     lowest_trainable_block,
-    matched_random_protected,
-    nf4_dequantized,
     num_blocks,
-    nvfp4_dequantized,
-    protection_premium_mib,
     quantize_unadapted,
-    random_protected,
+    speed_targets,
+)
+from peft_ext.ranking import (
+    NF4_VALUES,
+    check_protect_fraction,
+    check_rank_by,
+    choose_protected,
+    nf4_dequantized,
+    nvfp4_dequantized,
     rank_layers,
     reconstruction_error,
-    speed_targets,
-    stop_backward_below,
 )
 
 SHAPES = [(64, 128), (96, 208), (7, 48), (33, 16)]  # 208 and 48 put NF4 blocks across rows; 7 * 48 leaves a part
@@ -85,20 +84,13 @@ def test_nvfp4_is_bit_exact_with_the_reference(shape, dtype):
     assert torch.equal(nvfp4_dequantized(w), expected)
 
 
-def test_fast_rounding_is_exact_at_every_tie():
-    # NF4: bitsandbytes rounds with bucketize over the codebook midpoints (a tie goes to the lower code)
+def test_fast_nf4_rounding_is_exact_at_every_tie():
+    # bitsandbytes rounds with bucketize over the codebook midpoints (a tie goes to the lower code)
     code = torch.tensor(NF4_VALUES)
     mids = (code[:-1] + code[1:]) / 2
     up, down = torch.full_like(mids, 2.0), torch.full_like(mids, -2.0)
     x = torch.cat([mids, torch.nextafter(mids, up), torch.nextafter(mids, down), code, torch.rand(100_000) * 2 - 1])
-    assert torch.equal(protection._NF4.round(x), code[torch.bucketize(x, mids)])
-    # E2M1: every multiple of 1/64 in [-6, 6] (all ties included), its float neighbours, and -0.0
-    grid = torch.arange(-384, 385, dtype=torch.float32) / 64
-    y = torch.cat([grid, torch.nextafter(grid, up[:1] * 4), torch.nextafter(grid, down[:1] * 4), torch.tensor([-0.0])])
-    y = y.clamp(-6, 6)
-    expected = e2m1_table()[float_to_e2m1(y).long()]
-    got = protection._e2m1_round(y)
-    assert torch.equal(got, expected) and torch.equal(got.signbit(), expected.signbit())
+    assert torch.equal(ranking._NF4.round(x), code[torch.bucketize(x, mids)])
 
 
 @pytest.mark.parametrize("rank_by", ["nf4", "nvfp4"])
@@ -107,7 +99,7 @@ def test_chunked_error_equals_the_whole_tensor_formula(monkeypatch, rank_by):
     w[-1, 0] = 2.0  # the tensor's amax sits in the last chunk: NVFP4's per-tensor scale must still be global
     deq = nf4_dequantized(w) if rank_by == "nf4" else nvfp4_dequantized(w)
     expected = ((w.double() - deq.double()).norm() / w.double().norm()).item()
-    monkeypatch.setattr(protection, "CHUNK_ELEMENTS", 3 * 208)  # many chunks
+    monkeypatch.setattr(ranking, "CHUNK_ELEMENTS", 3 * 208)  # many chunks
     assert reconstruction_error(w, rank_by) == pytest.approx(expected, rel=1e-12)
 
 
@@ -154,6 +146,7 @@ def test_a_model_without_understood_linears_is_a_clear_error():
     quantized = get_peft_model(tiny_model("llama"), PactConfig(r=4, target_modules="all-linear"))
     with pytest.raises(ValueError, match="Found only FrozenLinear.*before get_peft_model"):
         rank_layers(quantized)
+    assert num_blocks(quantized) == 2  # the block list is found by structure, not by linear type
 
 
 # ------------------------------------------------------------------------------------------ ranking, protection
@@ -216,38 +209,6 @@ def test_protect_fraction_counts_and_errors():
         check_protect_fraction("0.2")
     with pytest.raises(ValueError, match="PactConfig.rank_by='fp4'"):
         check_rank_by("fp4", "PactConfig.rank_by")
-
-
-def test_random_control_is_seeded_and_memory_matched():
-    names = [f"layer{i}" for i in range(20)]
-    first = random_protected(names, 5, seed=1)
-    assert first == random_protected(list(reversed(names)), 5, seed=1)  # the input order does not matter
-    assert len(first) == 5 and set(first) <= set(names)
-    assert any(random_protected(names, 5, seed=s) != first for s in range(2, 6))
-    with pytest.raises(ValueError, match=r"count=21 must be an integer in \[0, 20\]"):
-        random_protected(names, 21)
-
-    model = _model_with_planted_layers()
-    protected = choose_protected(model, 0.25, "nvfp4")
-    control = matched_random_protected(model, protected, seed=0)
-    assert len(control) == len(protected) and control != sorted(protected)
-    assert protection_premium_mib(model, control) == pytest.approx(protection_premium_mib(model, protected))
-    assert control == matched_random_protected(model, protected, seed=0)
-
-
-def test_premium_is_bf16_bytes_minus_the_packed_nvfp4_bytes():
-    model = tiny_model("llama")
-    protected = ["model.layers.0.mlp.down_proj", "model.layers.1.self_attn.k_proj"]
-    layers = decoder_linears(model)
-    expected = (
-        sum(layers[n].weight.numel() * 2 - FrozenLinear.from_linear(layers[n]).nvfp4.nbytes for n in protected) / 2**20
-    )
-    assert protection_premium_mib(model, protected) == pytest.approx(expected, rel=1e-12)
-    with pytest.raises(ValueError, match="not decoder linears"):
-        protection_premium_mib(model, ["lm_head"])
-    quantized = get_peft_model(model, PactConfig(r=4, target_modules="all-linear"))  # shapes suffice afterwards
-    assert protection_premium_mib(quantized, protected) == pytest.approx(expected, rel=1e-12)
-    assert num_blocks(quantized) == 2  # the block list is found by structure, not by linear type
 
 
 # ----------------------------------------------------------------------------------------------- speed setting
@@ -399,11 +360,13 @@ def test_unadapted_linears_below_the_adapted_blocks_become_nvfp4():
     model = tiny_model("llama", num_hidden_layers=4)
     model = get_peft_model(model, LoraConfig(r=4, target_modules=speed_targets(model, 2), init_lora_weights=False))
     keep = "model.layers.0.mlp.down_proj"
-    replaced = quantize_unadapted(model, protected=[keep])
+    backend = get_backend("torch")
+    replaced = quantize_unadapted(model, protected=[keep], backend=backend)
     assert len(replaced) == 13 and keep not in replaced and {block_index(n) for n in replaced} == {0, 1}
     inner = model.base_model.model
     assert type(inner.get_submodule(keep)) is torch.nn.Linear
-    assert isinstance(inner.get_submodule("model.layers.1.self_attn.q_proj"), FrozenLinear)
+    frozen = inner.get_submodule("model.layers.1.self_attn.q_proj")
+    assert isinstance(frozen, FrozenLinear) and frozen.backend is backend  # the model's one backend
     assert type(inner.get_submodule("model.layers.2.self_attn.q_proj").get_base_layer()) is torch.nn.Linear
     stop_backward_below(model, lowest_trainable_block(model))
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))

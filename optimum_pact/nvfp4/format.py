@@ -9,12 +9,14 @@ Numerics follow torchao's `nvfp4_quantize` (two-level scaling) and the ModelOpt 
 
 Dequantization is `fp32(fp32(E2M1[code] * fp32(scale)) * scale_2)`, then a cast to the compute dtype.
 `E2M1[code] * fp32(scale)` is exact in FP32, so this equals torchao's `(E2M1 * scale) * scale_2` bit for bit.
-This module is the reference; `kernels.py` holds the fast path, tested against it with atol=0.
+This module is the reference, on plain tensors; `fake_quantize` is the quantize-dequantize round trip without
+packing. `kernels.py` holds the fast dequantizer (tested against `dequantize_reference` with atol=0), `tensor.py` the
+packed `NVFP4Tensor` and `quantize`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
 
 import torch
 
@@ -64,24 +66,58 @@ def _check_weight(weight: torch.Tensor) -> None:
         )
     if not weight.dtype.is_floating_point:
         raise TypeError(f"NVFP4 quantizes floating-point weights; got dtype {weight.dtype}.")
-    if not torch.isfinite(weight).all():
-        raise ValueError("NVFP4 cannot quantize a weight holding NaN or inf values; fix or exclude this layer.")
 
 
-@torch.no_grad()
-def quantize(weight: torch.Tensor) -> NVFP4Tensor:
-    """Quantize a 2-D weight [N, K] to NVFP4 (K must be a multiple of 16)."""
+def tensor_scale(weight: torch.Tensor) -> torch.Tensor:
+    """The per-tensor scale `scale_2 = amax / (6 * 448)`, an fp32 scalar; 1 for an all-zero weight (not 0, which
+    would make every block scale 0 / 0)."""
+    amax = weight.detach().abs().amax().float()
+    return amax / (F8E4M3_MAX * F4_E2M1_MAX) if amax > 0 else torch.ones((), dtype=torch.float32)
+
+
+def scale_blocks(
+    weight: torch.Tensor, scale_2: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The two-level scaling `quantize` and `fake_quantize` share: checks the weight [N, K], then returns the block
+    scales [N, K/16] (e4m3 values, held in fp32), the fp32 elements scaled into [-6, 6] as blocks [N, K/16, 16],
+    and `scale_2`.
+
+    `scale_2` defaults to `tensor_scale(weight)`; pass the whole weight's when `weight` is a slice of its rows.
+    """
     _check_weight(weight)
     n, k = weight.shape
-    w = weight.float().reshape(n, k // BLOCK_SIZE, BLOCK_SIZE)
-    amax = w.abs().amax()
-    # An all-zero weight keeps scale_2 = 0 only through the clamp below; use a unit scale instead.
-    scale_2 = amax / (F8E4M3_MAX * F4_E2M1_MAX) if amax > 0 else torch.ones((), dtype=torch.float32)
-    block_scale = w.abs().amax(dim=-1) / F4_E2M1_MAX / scale_2
-    scale = block_scale.clamp(min=E4M3_TINY, max=F8E4M3_MAX).to(torch.float8_e4m3fn)
-    reciprocal = (1.0 / scale_2) / scale.float()
-    scaled = (w * reciprocal.unsqueeze(-1)).clamp(-F4_E2M1_MAX, F4_E2M1_MAX).reshape(n, k)
-    return NVFP4Tensor(pack_e2m1(float_to_e2m1(scaled)), scale, scale_2.reshape(()).float())
+    w = weight.detach().float().reshape(n, k // BLOCK_SIZE, BLOCK_SIZE)
+    block_amax = w.abs().amax(dim=-1)
+    amax = block_amax.amax()
+    if not math.isfinite(amax):  # amax propagates NaN and inf from any element
+        raise ValueError("NVFP4 cannot quantize a weight holding NaN or inf values; fix or exclude this layer.")
+    if scale_2 is None:
+        scale_2 = tensor_scale(amax)
+    scale = (block_amax / F4_E2M1_MAX / scale_2).clamp(min=E4M3_TINY, max=F8E4M3_MAX)
+    scale = scale.to(torch.float8_e4m3fn).float()
+    reciprocal = (1.0 / scale_2) / scale
+    return scale, (w * reciprocal.unsqueeze(-1)).clamp(-F4_E2M1_MAX, F4_E2M1_MAX), scale_2
+
+
+def _e2m1_round(x: torch.Tensor) -> torch.Tensor:
+    """E2M1 value of each element of `x` (fp32 in [-6, 6]), ties to even: `E2M1[float_to_e2m1(x)]` bit for bit.
+
+    E2M1's grid has step 0.5 below 2, 1 below 4 and 2 up to 6; dividing by a power-of-two step is exact and
+    `torch.round` rounds half to even, which is the even code. Twice as fast as the code path; tested against it.
+    """
+    mag = x.abs()
+    step = (mag >= 2).float().add_((mag >= 4).float()).exp2_().mul_(0.5)
+    return torch.round(mag / step).mul_(step).copysign_(x)
+
+
+def fake_quantize(weight: torch.Tensor, scale_2: torch.Tensor | None = None) -> torch.Tensor:
+    """What NVFP4 makes of `weight`, as fp32 [N, K]: `dequantize_reference(q.qdata, q.scale, q.scale_2)` for
+    `q = quantize(weight)`, bit for bit, without forming or packing any code.
+
+    `scale_2` as in `scale_blocks`: a caller can go through a big weight in slices of rows with the whole one's scale.
+    """
+    scale, scaled, scale_2 = scale_blocks(weight, scale_2)
+    return ((_e2m1_round(scaled) * scale.unsqueeze(-1)) * scale_2).reshape(weight.shape)
 
 
 def dequantize_reference(
@@ -92,35 +128,3 @@ def dequantize_reference(
     values = e2m1_table(device=qdata.device)[unpack_e2m1(qdata).long()]
     blocks = values.reshape(n, half_k * 2 // BLOCK_SIZE, BLOCK_SIZE) * scale.float().unsqueeze(-1)
     return (blocks * scale_2.float()).reshape(n, half_k * 2).to(dtype)
-
-
-@dataclass
-class NVFP4Tensor:
-    """A packed NVFP4 weight: `qdata` uint8 [N, K/2], `scale` float8_e4m3fn [N, K/16], `scale_2` fp32 scalar."""
-
-    qdata: torch.Tensor
-    scale: torch.Tensor
-    scale_2: torch.Tensor
-
-    @property
-    def shape(self) -> torch.Size:
-        return torch.Size((self.qdata.shape[0], self.qdata.shape[1] * 2))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qdata, self.scale, self.scale_2))
-
-    def absmax(self) -> float:
-        """An upper bound of max |deq(W)|: the largest block scale times 6 (E2M1's largest magnitude)."""
-        if self.scale.numel() == 0:
-            return 0.0
-        # fp32(e4m3) * scale_2 in fp32, as the reference dequantizer forms each block's scale
-        return float(self.scale.float().abs().amax() * self.scale_2.float().reshape(())) * F4_E2M1_MAX
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        from .kernels import dequantize
-
-        return dequantize(self.qdata, self.scale, self.scale_2, dtype)
-
-    def to(self, device: torch.device | str) -> NVFP4Tensor:
-        return NVFP4Tensor(self.qdata.to(device), self.scale.to(device), self.scale_2.to(device))

@@ -1,9 +1,9 @@
 """Fast NVFP4 dequantization, bit-exact with `format.dequantize_reference`.
 
 CPU tensors go through a small C kernel (`csrc/dequant.c`) compiled on first use with the system C compiler and
-cached under `$PACT_CACHE/kernels` (default `~/.cache/optimum_pact/kernels`), keyed by a hash of the source, the
-compiler, its flags and the machine. Other devices, `PACT_DISABLE_NATIVE=1`, or a failed build use a pure-torch
-path: one gather from a (block scale, packed byte) -> two values table. Both are tested against the reference.
+cached in `optimum_pact.cache.cache_dir("kernels")`, keyed by a hash of the source, the compiler, its flags and the
+machine. Other devices, `PACT_DISABLE_NATIVE=1`, or a failed build use a pure-torch path: one gather from a
+(block scale, packed byte) -> two values table. Both are tested against the reference.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..cache import cache_dir
 from .format import BLOCK_SIZE, dequantize_reference, e2m1_table
 
 logger = logging.getLogger(__name__)
@@ -46,11 +47,6 @@ def _machine_id() -> str:
     except OSError:
         pass
     return "\n".join(parts)
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("PACT_CACHE")
-    return Path(root) / "kernels" if root else Path.home() / ".cache" / "optimum_pact" / "kernels"
 
 
 def _compile(compiler: str, flags: tuple[str, ...], path: Path) -> None:
@@ -80,7 +76,7 @@ def _build() -> ctypes.CDLL:
     flag_sets = [_FLAGS, tuple(f for f in _FLAGS if f != "-fopenmp")]
     flag_sets.append(tuple(f for f in flag_sets[1] if f != "-march=native"))
     paths = [
-        _cache_dir() / f"nvfp4_dequant_{hashlib.sha256(base + ' '.join(f).encode()).hexdigest()[:24]}.so"
+        cache_dir("kernels") / f"nvfp4_dequant_{hashlib.sha256(base + ' '.join(f).encode()).hexdigest()[:24]}.so"
         for f in flag_sets
     ]
     path = next((p for p in paths if p.exists()), None)
