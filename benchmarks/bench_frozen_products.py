@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from optimum_pact.backends import get_backend
 from optimum_pact.dataflow.linear import FrozenLinear
 from optimum_pact.nvfp4 import kernels
 
@@ -65,7 +66,8 @@ def make_config(k: int, n: int, tokens: int, tiles: list[int]) -> dict:
         "bf16_dup": (torch.bfloat16, lambda x: F.linear(x, wb_dup)),
     }
     for tile in tiles:
-        arms[f"pact_tile{tile}"] = (torch.bfloat16, FrozenLinear.from_linear(linear, tile_size=tile))
+        tiled = get_backend("torch", tile_size=tile)
+        arms[f"pact_tile{tile}"] = (torch.bfloat16, FrozenLinear.from_linear(linear, backend=tiled))
     x32, g32 = torch.randn(tokens, k), torch.randn(tokens, n)
     inputs = {dt: (x32.to(dt, copy=True).requires_grad_(), g32.to(dt)) for dt in (torch.float32, torch.bfloat16)}
     return {"k": k, "n": n, "tokens": tokens, "arms": arms, "inputs": inputs, "times": {a: [] for a in arms}}

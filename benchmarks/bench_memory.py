@@ -29,10 +29,9 @@ What is measured, per arm:
     large free and freed tensors stay in the heap (SmolLM2 subset arm at 512 tokens: step growth 0.55 GiB with the
     default, 0.20 GiB with 64 KiB, for a live peak of 0.11 GiB plus 0.16 GiB of mapped weights).
 A step runs twice per process: first untracked, timed, for (b) and the step time; then tracked, for (a).
-NVFP4 arms use PactConfig(tile_size=256) (dequantized tiles of 256 rows / columns, never the whole weight); the
-savers use MemorySavers' defaults (no attention cache, `--cache-mib` sets one; MLP recomputed in chunks of 512
-tokens). Step
-times on a shared 2-core machine are noise: compare them only from a quiet run.
+NVFP4 arms use PactConfig(backend_options={"tile_size": 256}) (dequantized tiles of 256 rows / columns, never the
+whole weight); the savers use MemorySavers' defaults (no attention cache, `--cache-mib` sets one; MLP recomputed in
+chunks of 512 tokens). Step times on a shared 2-core machine are noise: compare them only from a quiet run.
 
 Quality guard (`--quality`): SmolLM2 fine-tuned on the built-in data with the full stack and with the baseline
 (same batches), held-out accuracy before/after and the loss curves (CSV; PNG when matplotlib is installed), for
@@ -94,7 +93,7 @@ ARCHS = {
         model_type="llama", hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
         num_key_value_heads=4, vocab_size=8192, max_position_embeddings=4096, tie_word_embeddings=True,
     ),
-    "smollm2-135m": None,  # real weights: optimum_pact.default_model.ensure_default_model()
+    "smollm2-135m": None,  # real weights: optimum_pact.commands.default_model.ensure_default_model()
 }  # fmt: skip
 # The configurations issue 4 asks for: (arch, seq, arms, arms measured on fake tensors).
 CONFIGS = [
@@ -117,7 +116,7 @@ def build(arch: str, arm: str, r: int, tile_size: int | None, real_weights: bool
 
     torch.manual_seed(0)
     if ARCHS[arch] is None:
-        from optimum_pact.default_model import ensure_default_model
+        from optimum_pact.commands.default_model import ensure_default_model
 
         path = ensure_default_model()
         if real_weights:
@@ -132,7 +131,7 @@ def build(arch: str, arm: str, r: int, tile_size: int | None, real_weights: bool
         config = AutoConfig.for_model(numbers.pop("model_type"), **numbers)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     lora = dict(r=r, lora_alpha=2 * r, target_modules="all-linear")
-    config = LoraConfig(**lora) if arm == "baseline" else PactConfig(**lora, tile_size=tile_size)
+    config = LoraConfig(**lora) if arm == "baseline" else PactConfig(**lora, backend_options={"tile_size": tile_size})
     model = get_peft_model(model, config)
     model.train()
     return model
@@ -274,10 +273,10 @@ def run_quality(
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from optimum_pact.data import load_personal_dataset
-    from optimum_pact.default_model import ensure_default_model
-    from optimum_pact.evaluation import accuracy, classify
-    from optimum_pact.finetune import tokenize_examples
+    from optimum_pact.commands.data import load_personal_dataset
+    from optimum_pact.commands.default_model import ensure_default_model
+    from optimum_pact.commands.evaluation import accuracy, classify
+    from optimum_pact.commands.finetune import tokenize_examples
     from optimum_pact.memory import MemorySavers
     from peft_ext import PactConfig
 
@@ -308,7 +307,9 @@ def run_quality(
         before = accuracy(classify(model, tokenizer, texts, labels), golds)
         lora = dict(r=16, lora_alpha=32, target_modules="all-linear")
         preset = QUALITY_ARMS[arm]
-        model = get_peft_model(model, LoraConfig(**lora) if preset is None else PactConfig(**lora, tile_size=256))
+        model = get_peft_model(
+            model, LoraConfig(**lora) if preset is None else PactConfig(**lora, backend_options={"tile_size": 256})
+        )
         savers = MemorySavers.from_preset(model, preset) if preset not in (None, "none") else None
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
         model.train()
@@ -444,7 +445,7 @@ def main() -> None:
     parser.add_argument("--validate-fake", action="store_true", help="baseline real vs fake at --arch/--seq")
     parser.add_argument("--r", type=int, default=16)
     parser.add_argument("--trainable", type=float, default=0.3, help="fraction of tokens with labels")
-    parser.add_argument("--tile-size", type=int, default=256, help="PactConfig.tile_size for the NVFP4 arms")
+    parser.add_argument("--tile-size", type=int, default=256, help="the torch backend's tile_size for the NVFP4 arms")
     parser.add_argument("--offload-dir", default=None, help="default: a temporary folder")
     parser.add_argument("--cache-mib", type=float, default=0.0, help="MemorySavers cache_mib (attention cache)")
     parser.add_argument(

@@ -52,6 +52,8 @@ class ProductTimer:
         for name in ("forward", "input_grad"):
             setattr(self, name, self._timed(getattr(backend, name)))
         self.name, self.counts, self.prepare = backend.name, backend.counts, backend.prepare
+        self.requested, self.reason, self.runs_beside_cpu = backend.requested, backend.reason, backend.runs_beside_cpu
+        self.dense_weight_dtype = backend.dense_weight_dtype
 
     def _timed(self, product):
         def run(*args):

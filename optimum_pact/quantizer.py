@@ -36,14 +36,15 @@ from transformers.quantizers import HfQuantizer, register_quantization_config, r
 from transformers.quantizers.quantizers_utils import should_convert_module
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .backends import BACKENDS
+from .backends import Backend, get_backend
+from .backends.options import check_backend_choice
 from .dataflow.linear import FrozenLinear
 from .nvfp4 import BLOCK_SIZE, quantize
 
 logger = logging.getLogger(__name__)
 
 QUANT_METHOD = "pact"
-_FIELDS = ("backend", "tile_size", "modules_to_not_convert")
+_FIELDS = ("backend", "backend_options", "modules_to_not_convert")
 
 
 @register_quantization_config(QUANT_METHOD)
@@ -51,9 +52,10 @@ class PactQuantizationConfig(QuantizationConfigMixin):
     """Quantize the decoder linears to NVFP4 `FrozenLinear`s (frozen weights for LoRA training on top).
 
     Args:
-        backend: the backend that computes the frozen products, one of `optimum_pact.backends.BACKENDS`.
-        tile_size: rows/columns dequantized at a time by the backend (`None`: the whole weight at once);
-            a positive multiple of 16.
+        backend: the backend that computes the frozen products: "torch", "qnn" or "auto" (resolved once per
+            loaded model; every layer shares that one instance).
+        backend_options: the backend's keyword options, e.g. `{"tile_size": 256}` (torch: rows / columns
+            dequantized at a time) or `{"soc_model": "69"}` (qnn).
         modules_to_not_convert: module-name patterns kept in full precision, in addition to `lm_head` (a name, a
             dotted prefix such as `"model.layers.0"`, a regex, or a suffix such as `"mlp.down_proj"`).
     """
@@ -61,7 +63,7 @@ class PactQuantizationConfig(QuantizationConfigMixin):
     def __init__(
         self,
         backend: str = "torch",
-        tile_size: int | None = None,
+        backend_options: dict | None = None,
         modules_to_not_convert: list[str] | None = None,
         **kwargs: Any,
     ):
@@ -71,6 +73,10 @@ class PactQuantizationConfig(QuantizationConfigMixin):
                 f"PactQuantizationConfig got quant_method={quant_method!r}; it only describes {QUANT_METHOD!r}. "
                 "Use the config class registered for that method instead."
             )
+        if "tile_size" in kwargs:  # written by optimum-pact 0.1 as its own field: a torch backend option now
+            tile_size = kwargs.pop("tile_size")
+            if tile_size is not None:
+                backend_options = {**(backend_options or {}), "tile_size": tile_size}
         if kwargs:
             raise TypeError(
                 f"PactQuantizationConfig got unknown field(s) {sorted(kwargs)}; "
@@ -78,24 +84,14 @@ class PactQuantizationConfig(QuantizationConfigMixin):
             )
         self.quant_method = QUANT_METHOD
         self.backend = backend
-        self.tile_size = tile_size
+        self.backend_options = backend_options
         skip = modules_to_not_convert
         self.modules_to_not_convert = list(skip) if isinstance(skip, tuple) else skip
         self.post_init()
 
     def post_init(self) -> None:
         """Check every field; raise a ValueError that names the field, the value and the fix."""
-        if not isinstance(self.backend, str) or self.backend not in BACKENDS:
-            raise ValueError(
-                f"PactQuantizationConfig.backend={self.backend!r} is not a known backend; "
-                f"set backend to one of {', '.join(map(repr, BACKENDS))}."
-            )
-        tile = self.tile_size
-        if tile is not None and (type(tile) is not int or tile <= 0 or tile % BLOCK_SIZE):
-            raise ValueError(
-                f"PactQuantizationConfig.tile_size={tile!r} is invalid; set tile_size to None (whole weight at once) "
-                f"or to a positive multiple of {BLOCK_SIZE}, e.g. 256."
-            )
+        self.backend_options = check_backend_choice(self.backend, self.backend_options)
         skip = self.modules_to_not_convert
         if skip is not None and (not isinstance(skip, list) or not all(isinstance(name, str) for name in skip)):
             raise ValueError(
@@ -131,16 +127,13 @@ class PactQuantize(ConversionOps):
 
 
 def replace_with_frozen_linear(
-    model: nn.Module,
-    modules_to_not_convert: list[str] | None = None,
-    backend: str = "torch",
-    tile_size: int | None = None,
+    model: nn.Module, backend: Backend, modules_to_not_convert: list[str] | None = None
 ) -> tuple[list[str], list[str]]:
     """Swap each plain `nn.Linear` of `model` (outside `modules_to_not_convert`) for an empty `FrozenLinear`.
 
-    Runs on the meta-device skeleton before loading: the new layers keep the old device and bias dtype and hold
-    no weight yet. Returns `(converted, skipped)`: skipped layers have `in_features % 16 != 0` and stay `nn.Linear`.
-    Only exact `nn.Linear` instances are swapped; subclasses may compute something else with their weight.
+    Runs on the meta-device skeleton before loading: the new layers keep the old device and bias dtype, hold no
+    weight yet and all share `backend`. Returns `(converted, skipped)`: skipped layers have `in_features % 16 != 0`
+    and stay `nn.Linear`. Only exact `nn.Linear` instances are swapped; subclasses may compute something else.
     """
     converted, skipped = [], []
     for name, module in list(model.named_modules()):
@@ -149,7 +142,7 @@ def replace_with_frozen_linear(
         if module.in_features % BLOCK_SIZE:
             skipped.append(f"{name} (in_features={module.in_features})")
             continue
-        model.set_submodule(name, FrozenLinear.empty_like(module, backend=backend, tile_size=tile_size))
+        model.set_submodule(name, FrozenLinear.empty_like(module, backend=backend))
         converted.append(name)
     return converted, skipped
 
@@ -166,12 +159,11 @@ class PactHfQuantizer(HfQuantizer):
         self.modules_to_not_convert: list[str] = []
         self.converted: list[str] = []
         self.skipped: list[str] = []
+        self.backend: Backend | None = None  # the loaded model's one backend, built in validate_environment
 
     def validate_environment(self, *args, **kwargs) -> None:
-        from .backends import get_backend
-
         config = self.quantization_config
-        get_backend(config.backend, tile_size=config.tile_size)  # fail before the model is built
+        self.backend = get_backend(config.backend, **(config.backend_options or {}))  # fails before the model is built
 
     def param_needs_quantization(self, model: nn.Module, param_name: str, **kwargs) -> bool:
         if self.pre_quantized:
@@ -184,9 +176,9 @@ class PactHfQuantizer(HfQuantizer):
         self.modules_to_not_convert = self.get_modules_to_not_convert(
             model, config.modules_to_not_convert, model._keep_in_fp32_modules, add_default_skips=True
         )
-        self.converted, self.skipped = replace_with_frozen_linear(
-            model, self.modules_to_not_convert, backend=config.backend, tile_size=config.tile_size
-        )
+        if self.backend is None:
+            self.backend = get_backend(config.backend, **(config.backend_options or {}))
+        self.converted, self.skipped = replace_with_frozen_linear(model, self.backend, self.modules_to_not_convert)
         if self.skipped:
             logger.warning(
                 "optimum-pact: leaving %d linear layer(s) unquantized because NVFP4 needs in_features to be a "

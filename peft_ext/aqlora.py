@@ -22,11 +22,12 @@ import logging
 import torch
 from torch import nn
 
-from optimum_pact.backends import get_backend
 from optimum_pact.dataflow import FrozenLinear
 from optimum_pact.nvfp4 import BLOCK_SIZE
 
-from .protection import block_index, choose_protected, default_top_blocks, reconstruction_error, stop_backward_below
+from .backward_stop import stop_backward_below
+from .blocks import block_index, default_top_blocks
+from .ranking import choose_protected, reconstruction_error
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class PendingLayers:
         protected = self._protected()
         adapted = self._speed_blocks()
         cutoff = None if adapted is None else adapted.start
-        backend = get_backend(config.backend, tile_size=config.tile_size, **(config.backend_options or {}))
+        backend = config.get_backend()
         plan = config.precision_plan or {}
         for name, layer in self.layers.items():
             linear = layer.get_base_layer()

@@ -9,7 +9,6 @@ from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 
-from optimum_pact.backends import get_backend
 from optimum_pact.dataflow import FrozenLinear
 from optimum_pact.dataflow.overlap import LoraFrozenProduct
 
@@ -39,7 +38,7 @@ class PactLoraLinear(LoraLinear):
         if self._pact_overlap_option is not None:
             return self._pact_overlap_option
         backend = getattr(self.get_base_layer(), "backend", None)  # the CPU would compete with itself on torch
-        return backend is not None and backend.name != "torch"
+        return backend is not None and backend.runs_beside_cpu
 
     def set_adapter(self, adapter_names, inference_mode: bool = False) -> None:
         super().set_adapter(adapter_names, inference_mode=inference_mode)
@@ -110,8 +109,7 @@ def dispatch_pact(target: nn.Module, adapter_name: str, config, **kwargs) -> Pac
             layer = PactLoraLinear(base, adapter_name, config=config, **kwargs)
             group.add(name, layer)
             return layer
-        backend = get_backend(config.backend, tile_size=config.tile_size, **(config.backend_options or {}))
-        base = FrozenLinear.from_linear(base, backend=backend, precision=precision)
+        base = FrozenLinear.from_linear(base, backend=config.get_backend(), precision=precision)
     elif isinstance(base, FrozenLinear) and base.precision != precision:
         raise ValueError(
             f"PactConfig.precision_plan keeps {name} in {precision}, but the model was loaded with it already "

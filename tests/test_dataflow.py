@@ -13,7 +13,7 @@ from optimum_pact.dataflow import FrozenLinear
 def _pair(in_features=96, out_features=80, bias=True, dtype=torch.float32, tile_size=None, seed=0):
     torch.manual_seed(seed)
     linear = torch.nn.Linear(in_features, out_features, bias=bias)
-    return linear, FrozenLinear.from_linear(linear, tile_size=tile_size)
+    return linear, FrozenLinear.from_linear(linear, backend=get_backend("torch", tile_size=tile_size))
 
 
 def _fwd_bwd(fn, x, grad):
@@ -134,4 +134,6 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="Unknown backend 'npu'.*'torch'"):
         get_backend("npu")
     with pytest.raises(ValueError, match="tile_size"):
-        FrozenLinear.from_linear(torch.nn.Linear(32, 16), tile_size=10)
+        get_backend("torch", tile_size=10)
+    with pytest.raises(TypeError, match="backend instance"):
+        FrozenLinear.from_linear(torch.nn.Linear(32, 16), backend="torch")

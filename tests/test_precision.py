@@ -8,7 +8,7 @@ from conftest import tiny_model
 from peft import get_peft_model
 from peft.tuners.lora import LoraLayer
 
-from optimum_pact.backends import get_backend, resolve_auto
+from optimum_pact.backends import get_backend
 from optimum_pact.backends import qnn as qnn_module
 from optimum_pact.dataflow import FrozenLinear
 from optimum_pact.nvfp4 import quantize
@@ -212,7 +212,6 @@ def test_fp16_plan_on_an_already_quantized_model_is_a_clear_error():
 
 
 def test_auto_picks_torch_on_an_emulated_npu_and_says_why(caplog):
-    resolve_auto.cache_clear()
     with caplog.at_level("INFO", logger="optimum_pact.backends"):
         backend = get_backend("auto", tile_size=None)
     assert backend.name == "torch"
@@ -222,24 +221,37 @@ def test_auto_picks_torch_on_an_emulated_npu_and_says_why(caplog):
 @needs_qnn
 def test_auto_picks_qnn_where_the_htp_is_real_hardware(monkeypatch):
     monkeypatch.setattr("platform.machine", lambda: "aarch64")
-    resolve_auto.cache_clear()
-    try:
-        assert get_backend("auto", tile_size=None, soc_model="60").name == "qnn"
-        model = get_peft_model(tiny_model("llama"), PactConfig(r=4, target_modules=["q_proj"], backend="auto"))
-        assert {m.backend.name for m in model.modules() if isinstance(m, FrozenLinear)} == {"qnn"}
-    finally:
-        resolve_auto.cache_clear()
+    assert get_backend("auto", tile_size=None, soc_model="60").name == "qnn"
+    config = PactConfig(r=4, target_modules=["q_proj", "up_proj"], backend="auto")
+    model = get_peft_model(tiny_model("llama"), config)
+    backends = {id(m.backend): m.backend for m in model.modules() if isinstance(m, FrozenLinear)}
+    assert list(backends.values()) == [config.get_backend()]  # "auto" resolved once, for the whole model
+    assert config.get_backend().name == "qnn" and "started" in config.get_backend().reason
 
 
 @needs_qnn
 def test_backend_options_reach_the_backend():
     config = PactConfig(r=4, target_modules=["q_proj"], backend="qnn", backend_options={"soc_model": "60"})
     model = get_peft_model(tiny_model("llama"), config)
-    assert {m.backend.soc_model for m in model.modules() if isinstance(m, FrozenLinear)} == {"60"}
+    backends = {id(m.backend): m.backend for m in model.modules() if isinstance(m, FrozenLinear)}
+    assert len(backends) == 1 and next(iter(backends.values())) is config.get_backend()  # ONE QnnBackend
+    assert config.get_backend().soc_model == "60"
+
+
+@needs_qnn
+def test_aqlora_model_on_qnn_holds_one_backend_whose_counts_are_the_models():
+    config = PactConfig(r=4, target_modules="all-linear", backend="qnn", protect_fraction=0.5, adapt="speed")
+    model = get_peft_model(tiny_model("llama"), config)
+    frozen = [m for m in model.modules() if isinstance(m, FrozenLinear)]
+    assert {m.precision for m in frozen} == {"nvfp4", "fp16"}  # protected and quantized layers alike
+    assert {id(m.backend) for m in frozen} == {id(config.get_backend())}
+    model(input_ids=torch.tensor([[1, 2, 3, 4]]), labels=torch.tensor([[1, 2, 3, 4]])).loss.backward()
+    counts = config.get_backend().counts
+    assert counts["forward"] == len(frozen) and 0 < counts["input_grad"] < len(frozen)  # speed: backward stops early
 
 
 def test_unknown_backend_option_is_a_clear_error():
-    with pytest.raises(ValueError, match="no option 'soc_model'"):
+    with pytest.raises(ValueError, match="no option soc_model='60'"):
         get_peft_model(
             tiny_model("llama"), PactConfig(r=4, target_modules=["q_proj"], backend_options={"soc_model": "60"})
         )

@@ -115,7 +115,7 @@ def test_save_writes_modelopt_layout_and_reload_is_exact(checkpoint, tmp_path, m
     assert config["quantization_config"] == {
         "quant_method": "pact",
         "backend": "torch",
-        "tile_size": None,
+        "backend_options": None,
         "modules_to_not_convert": None,
     }
     with safe_open(str(saved / "model.safetensors"), framework="pt") as f:
@@ -167,14 +167,17 @@ def test_linear_with_in_features_not_multiple_of_16_stays_unquantized(tmp_path, 
 
 def test_modules_to_not_convert_and_options_survive_the_round_trip(tmp_path):
     path = save_random_model(llama_config(), tmp_path / "fp32")
-    config = PactQuantizationConfig(tile_size=32, modules_to_not_convert=["mlp.down_proj", "model.layers.1"])
+    config = PactQuantizationConfig(
+        backend_options={"tile_size": 32}, modules_to_not_convert=["mlp.down_proj", "model.layers.1"]
+    )
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=config)
     assert sorted(frozen_layers(model)) == sorted(
         f"model.layers.0.{'mlp' if n in ('gate_proj', 'up_proj') else 'self_attn'}.{n}"
         for n in DECODER_LINEARS
         if n != "down_proj"
     )
-    assert all(layer.backend.tile_size == 32 for layer in frozen_layers(model).values())
+    backends = {id(layer.backend): layer.backend for layer in frozen_layers(model).values()}
+    assert len(backends) == 1 and next(iter(backends.values())).tile_size == 32  # one backend for the model
 
     model.save_pretrained(tmp_path / "pact")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "pact")
@@ -247,8 +250,11 @@ def test_transformers_loading_contract(tmp_path, monkeypatch):
 
 
 def test_registration_and_config_round_trip():
-    config = AutoQuantizationConfig.from_dict({"quant_method": "pact", "tile_size": 64})
-    assert isinstance(config, PactQuantizationConfig) and config.tile_size == 64 and config.backend == "torch"
+    config = AutoQuantizationConfig.from_dict({"quant_method": "pact", "backend_options": {"tile_size": 64}})
+    assert isinstance(config, PactQuantizationConfig) and config.backend_options == {"tile_size": 64}
+    # optimum-pact 0.1 wrote tile_size as its own field: it reads back as the torch backend's option
+    old = AutoQuantizationConfig.from_dict({"quant_method": "pact", "backend": "auto", "tile_size": 64})
+    assert old.backend == "auto" and old.backend_options == {"tile_size": 64}
     assert isinstance(AutoHfQuantizer.from_config(config, pre_quantized=False), PactHfQuantizer)
     assert PactQuantizationConfig.from_dict(config.to_dict()).to_dict() == config.to_dict()
 
@@ -258,13 +264,11 @@ def test_registration_and_config_round_trip():
     [
         ({"backend": "cuda-magic"}, ValueError, ["backend", "'cuda-magic'", "'torch'"]),
         ({"backend": None}, ValueError, ["backend", "None", "'torch'"]),
-        ({"tile_size": 24}, ValueError, ["tile_size", "24", "multiple of 16"]),
-        ({"tile_size": 0}, ValueError, ["tile_size", "0", "positive"]),
-        ({"tile_size": "64"}, ValueError, ["tile_size", "'64'"]),
-        ({"tile_size": True}, ValueError, ["tile_size", "True"]),
+        ({"backend_options": "{"}, ValueError, ["backend_options", "JSON"]),
+        ({"backend_options": ["tile_size"]}, ValueError, ["backend_options", "dict"]),
         ({"modules_to_not_convert": "lm_head"}, ValueError, ["modules_to_not_convert", "'lm_head'", "list"]),
         ({"modules_to_not_convert": ["lm_head", 3]}, ValueError, ["modules_to_not_convert", "3", "list"]),
-        ({"tile": 64}, TypeError, ["tile", "tile_size"]),
+        ({"tile": 64}, TypeError, ["tile", "backend_options"]),
         ({"quant_method": "fp8"}, ValueError, ["quant_method", "'fp8'"]),
     ],
 )
@@ -275,8 +279,15 @@ def test_bad_config_values_raise_clear_errors(kwargs, error, needles):
         assert needle in str(info.value), (needle, str(info.value))
 
 
-def test_importing_the_package_does_not_import_transformers():
-    code = "import sys, optimum_pact; assert 'transformers' not in sys.modules, 'optimum_pact imported transformers'"
+def test_importing_the_package_registers_the_quantizer_and_imports_no_optional_package():
+    code = (
+        "import sys, optimum_pact\n"
+        "from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING\n"
+        "assert AUTO_QUANTIZATION_CONFIG_MAPPING['pact'] is optimum_pact.PactQuantizationConfig\n"
+        "assert AUTO_QUANTIZER_MAPPING['pact'].__name__ == 'PactHfQuantizer'\n"
+        "loaded = sorted(m for m in ('peft', 'onnxruntime', 'onnx', 'bitsandbytes', 'gguf') if m in sys.modules)\n"
+        "assert not loaded, loaded\n"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

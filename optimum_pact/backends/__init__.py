@@ -1,14 +1,16 @@
 """Backends compute the frozen-weight products; `get_backend` builds one by name.
 
+A model gets ONE backend instance, built once by `get_backend` and shared by all its layers; what a backend builds
+once (the started NPU, its compiled graphs) lives on that instance, never in the process.
+
 Backends that need optional packages (`qnn`: onnxruntime-qnn) import them only when built, so listing them in
 `BACKENDS` costs nothing; building one whose packages are missing raises `BackendUnavailableError`.
 `backend="auto"` picks `qnn` where a real QNN HTP (a Snapdragon NPU) starts and `torch` otherwise, and logs which
-one it chose and why.
+one it chose and why (also kept in the instance's `reason`).
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 import platform
@@ -34,42 +36,61 @@ def _backend_class(name: str):
     raise ValueError(f"Unknown backend {name!r}; choose one of {', '.join(map(repr, BACKEND_CHOICES))}.")
 
 
-@functools.cache
-def resolve_auto() -> tuple[str, str]:
-    """The backend `"auto"` stands for on this machine, and why: (name, reason). Decided once per process."""
+def _options_of(cls) -> tuple[str, ...]:
+    return tuple(inspect.signature(cls).parameters)
+
+
+def _build_auto(options: dict) -> tuple[Backend, str]:
+    """The backend "auto" stands for on this machine, built with the options it takes, and why it was chosen."""
     from .qnn import is_qnn_available
 
     if not is_qnn_available():
-        return "torch", "onnxruntime-qnn is not installed"
-    machine = platform.machine().lower()
-    if machine not in NPU_MACHINES:
-        return "torch", f"the QNN HTP on {machine} is an emulator, slower than the CPU"
-    try:
-        _backend_class("qnn")()
-    except (BackendUnavailableError, ValueError) as err:
-        return "torch", f"the QNN HTP backend did not start ({err})"
-    return "qnn", "the QNN HTP backend started"
+        reason = "onnxruntime-qnn is not installed"
+    elif (machine := platform.machine().lower()) not in NPU_MACHINES:
+        reason = f"the QNN HTP on {machine} is an emulator, slower than the CPU"
+    else:
+        cls = _backend_class("qnn")
+        try:
+            backend = cls(**{k: v for k, v in options.items() if k in _options_of(cls)})
+        except (BackendUnavailableError, ValueError) as err:
+            reason = f"the QNN HTP backend did not start ({err})"
+            logger.warning("backend='auto': %s; falling back to 'torch'.", reason)
+        else:
+            return backend, "the QNN HTP backend started"
+    cls = _backend_class("torch")
+    return cls(**{k: v for k, v in options.items() if k in _options_of(cls)}), reason
 
 
 def get_backend(name: str, **options) -> Backend:
-    """Build the backend called `name` (one of `BACKENDS`, or "auto") with its options.
+    """Build ONE backend called `name` (one of `BACKENDS`, or "auto") with its options; build it once per model.
 
-    Options are the backend's keyword arguments (torch: `tile_size`; qnn: `soc_model`, `min_tokens`, ...). With
-    "auto", options the chosen backend does not take are dropped (a `tile_size` of None counts as absent).
+    Options are the backend's keyword arguments (torch: `tile_size`; qnn: `soc_model`, `min_tokens`, ...). An
+    option the named backend does not take is a ValueError; with "auto", options the chosen backend does not take
+    are dropped. The instance's `requested` is `name` and its `reason` says why it runs ("requested" for an
+    explicit name).
     """
     if name == "auto":
-        name, reason = resolve_auto()
-        logger.info("backend='auto' chose %r: %s.", name, reason)
-        accepted = inspect.signature(_backend_class(name)).parameters
-        options = {k: v for k, v in options.items() if k in accepted and not (k == "tile_size" and v is None)}
-    cls = _backend_class(name)
-    unknown = sorted(set(options) - set(inspect.signature(cls).parameters))
-    if unknown:
-        raise ValueError(
-            f"backend={name!r} has no option {', '.join(map(repr, unknown))}; "
-            f"its options are {', '.join(inspect.signature(cls).parameters)}."
-        )
-    return cls(**options)
+        backend, reason = _build_auto(options)
+        logger.info("backend='auto' chose %r: %s.", backend.name, reason)
+    else:
+        cls = _backend_class(name)
+        unknown = [k for k in options if k not in _options_of(cls)]
+        if unknown:
+            elsewhere = [
+                f"{k} is an option of backend={other!r}"
+                for k in unknown
+                for other in BACKENDS
+                if other != name and k in _options_of(_backend_class(other))
+            ]
+            fix = "Drop it" if len(unknown) == 1 else "Drop them"
+            fix += f" ({'; '.join(elsewhere)})" if elsewhere else ""
+            raise ValueError(
+                f"backend={name!r} has no option {', '.join(f'{k}={options[k]!r}' for k in unknown)}; "
+                f"its options are {', '.join(_options_of(cls))}. {fix}."
+            )
+        backend, reason = cls(**options), "requested"
+    backend.requested, backend.reason = name, reason
+    return backend
 
 
-__all__ = ["BACKENDS", "BACKEND_CHOICES", "Backend", "BackendUnavailableError", "get_backend", "resolve_auto"]
+__all__ = ["BACKENDS", "BACKEND_CHOICES", "Backend", "BackendUnavailableError", "get_backend"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -23,11 +24,27 @@ class Backend(Protocol):
     `prepare` runs once per weight (at load, or after the module moves device); `forward` returns
     `x @ deq(W).T` (also used for recomputation under activation checkpointing) and `input_grad`
     returns `dy @ deq(W)`. Neither may keep a dequantized or transposed copy of `W` between calls.
+
+    A model holds ONE instance (`get_backend`), shared by all its layers: whatever the backend builds once
+    (compiled graphs, a started device) lives on that instance.
     """
 
     name: str
+    """Which backend this is: "torch" or "qnn"."""
+    requested: str
+    """The name asked of `get_backend`: "auto", or this backend's own name."""
+    reason: str
+    """Why this backend runs: "requested" for an explicit name, what `"auto"` found otherwise."""
+    counts: Counter[str]
+    """Tallies of the work done: products run (`forward`, `input_grad`), and backend-specific events."""
+    runs_beside_cpu: bool
+    """Whether the products run beside the CPU cores computing the adapter path, so overlapping the two pays."""
 
-    def prepare(self, weight: NVFP4Tensor) -> Any: ...
+    def dense_weight_dtype(self, source_dtype: torch.dtype) -> torch.dtype:
+        """The dtype a 16-bit (precision "fp16", unquantized) layer with a `source_dtype` weight is stored in."""
+        ...
+
+    def prepare(self, weight: NVFP4Tensor | torch.Tensor) -> Any: ...
 
     def forward(self, x: torch.Tensor, handle: Any) -> torch.Tensor: ...
 

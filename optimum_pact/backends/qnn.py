@@ -27,8 +27,8 @@ fp16 weight input instead of the dequantizer (`weight_format="fp16"`).
 
 Shapes: QNN HTP needs static shapes (a dynamic token dimension leaves MatMul unsupported), so the token dimension
 is padded with zeros to a power-of-two bucket (at least `min_tokens`); more than `max_tokens` tokens are run in
-chunks. Sessions are cached per (product, N, K, bucket) and shared by every layer of that shape: a fine-tune
-compiles a handful of graphs, not one per layer.
+chunks. A backend instance compiles one session per (product, N, K, bucket, weight format) and shares it with every
+layer holding that instance (a model holds one): a fine-tune compiles a handful of graphs, not one per layer.
 
 Compiled graphs are cached on disk as QNN context binaries (`qnn_cache`; `cache=False` turns it off).
 
@@ -55,6 +55,7 @@ import torch
 from ..nvfp4 import BLOCK_SIZE, E2M1_VALUES, NVFP4Tensor
 from ..precision.range_guard import row_exponents, scale_rows, unscale_rows
 from .base import BackendUnavailableError
+from .qnn_cache import cached_session, default_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +68,6 @@ WEIGHT_FORMATS = ("nvfp4", "fp16")
 # Activation input and output names of each product graph; the weight-side inputs are shared.
 _IO_NAMES = {"forward": ("x", "y"), "input_grad": ("dy", "dx")}
 WEIGHT_INPUTS = ("packed", "scale_bytes", "scale_table")
-# a 16-bit layer (kept in fp16 by the precision plan) has no dequantizer: the fp16 weight is the input
-DENSE_WEIGHT_INPUTS = ("weight",)
 # Keys the backend sets itself; `provider_options` may not override them.
 _RESERVED_OPTIONS = ("backend_type", "soc_model")
 
@@ -222,9 +221,8 @@ def _check_soc_model(soc_model: str | int) -> str:
     return str(int(soc_model))
 
 
-@functools.cache
-def _probe(soc_model: str) -> None:
-    """Start the HTP backend once per soc_model (a 16 x 16 forward graph), turning failures into clear errors."""
+def _start_htp(soc_model: str) -> None:
+    """Start the HTP backend (a 16 x 16 forward graph), turning failures into clear errors."""
     try:
         make_session(build_product_graph("forward", 16, 16, 16), soc_model)
     except BackendUnavailableError:
@@ -232,7 +230,7 @@ def _probe(soc_model: str) -> None:
     except Exception as err:
         if soc_model != DEFAULT_SOC_MODEL:
             try:
-                _probe(DEFAULT_SOC_MODEL)
+                _start_htp(DEFAULT_SOC_MODEL)
             except BackendUnavailableError:
                 pass
             else:
@@ -264,31 +262,30 @@ class QnnBackend:
 
     Args:
         soc_model: the Snapdragon SoC id the graphs are compiled for (QNN's `soc_model`), default "60".
-        tile_size: must be None: the whole weight is dequantized inside the graph.
         min_tokens: the smallest token bucket (a power of two); every call is padded to a power-of-two bucket.
         max_tokens: the largest bucket (a power of two); longer inputs run in chunks of this many tokens.
         provider_options: extra QNN EP options (strings), e.g. {"htp_performance_mode": "burst"}.
         cache: keep compiled graphs (QNN context binaries) on disk and load them instead of compiling again.
         cache_dir: where; default `$PACT_CACHE/qnn` (`~/.cache/optimum_pact/qnn`). See `qnn_cache`.
+
+    Building one starts the HTP once (a small probe graph), so a backend that does not start fails here, with the
+    fix in its message. The compiled graphs belong to this instance and serve every layer that holds it.
+    The whole weight is dequantized inside the graph: there is no `tile_size`.
     """
 
     name = "qnn"
+    requested, reason = "qnn", "requested"  # built directly; `get_backend` sets both on the instance
+    runs_beside_cpu = True  # the products run on the NPU while the CPU computes the adapter path
 
     def __init__(
         self,
         soc_model: str | int = DEFAULT_SOC_MODEL,
-        tile_size: int | None = None,
         min_tokens: int = 16,
         max_tokens: int = 4096,
         provider_options: Mapping[str, str] | None = None,
         cache: bool = True,
         cache_dir: str | os.PathLike | None = None,
     ):
-        if tile_size is not None:
-            raise ValueError(
-                f"tile_size={tile_size!r} is not supported by the qnn backend (it dequantizes the whole weight "
-                "inside the NPU graph); leave tile_size=None."
-            )
         for label, value in (("min_tokens", min_tokens), ("max_tokens", max_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value & (value - 1):
                 raise ValueError(f"QnnBackend {label}={value!r} must be a positive power of two, e.g. 16 or 4096.")
@@ -311,12 +308,14 @@ class QnnBackend:
             raise ValueError(f"QnnBackend cache_dir={cache_dir!r} is set but cache=False; drop one of them.")
         self.cache_dir: Path | None = None
         if cache:
-            from .qnn_cache import default_cache_dir
-
             self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
         self.counts: Counter[str] = Counter()  # products run (`forward`, `input_grad`) and `guarded_rows`
-        _probe(self.soc_model)
-        self._runtime = _runtime(self.soc_model, tuple(sorted(options.items())), self.cache_dir)
+        _start_htp(self.soc_model)
+        self._runtime = _Runtime(self.soc_model, options, self.cache_dir)
+
+    def dense_weight_dtype(self, source_dtype: torch.dtype) -> torch.dtype:
+        """Always fp16: the NPU computes in fp16, whatever the source dtype."""
+        return torch.float16
 
     def bucket(self, tokens: int) -> int:
         """The padded token count a call with `tokens` rows (at most `max_tokens`) runs at."""
@@ -390,10 +389,10 @@ class QnnBackend:
 
 
 class _Runtime:
-    """The compiled graphs of one (soc_model, provider options, cache), shared by every layer and backend instance."""
+    """The compiled graphs of one QnnBackend instance, shared by every layer that holds it."""
 
-    def __init__(self, soc_model: str, provider_options: tuple[tuple[str, str], ...], cache_dir: Path | None):
-        self.soc_model, self.provider_options, self.cache_dir = soc_model, dict(provider_options), cache_dir
+    def __init__(self, soc_model: str, provider_options: dict[str, str], cache_dir: Path | None):
+        self.soc_model, self.provider_options, self.cache_dir = soc_model, provider_options, cache_dir
         self.sessions: dict[tuple[str, int, int, int, str], Any] = {}
         self._lock = threading.Lock()
 
@@ -408,8 +407,6 @@ class _Runtime:
                     if self.cache_dir is None:
                         session = make_session(model, self.soc_model, self.provider_options)
                     else:
-                        from .qnn_cache import cached_session
-
                         args = (model, self.soc_model, self.provider_options, self.cache_dir, make_session)
                         session = cached_session(*args)
                     self.sessions[key] = session
@@ -440,11 +437,6 @@ class _Runtime:
                 placed.setdefault(info.ep_name, []).extend(node.op_type for node in info.get_nodes())
             report[key] = placed
         return report
-
-
-@functools.cache
-def _runtime(soc_model: str, provider_options: tuple[tuple[str, str], ...], cache_dir: Path | None) -> _Runtime:
-    return _Runtime(soc_model, provider_options, cache_dir)
 
 
 __all__ = ["QnnBackend", "QnnWeight", "build_product_graph", "is_qnn_available", "make_session"]

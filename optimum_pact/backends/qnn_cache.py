@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ..cache import cache_dir as pact_cache_dir
+
 logger = logging.getLogger(__name__)
 
 CACHE_FORMAT = 1  # bump when what a cached graph means changes in a way the ONNX bytes do not show
@@ -28,9 +30,7 @@ CACHE_FORMAT = 1  # bump when what a cached graph means changes in a way the ONN
 
 def default_cache_dir() -> Path:
     """`$PACT_CACHE/qnn` (default `~/.cache/optimum_pact/qnn`)."""
-    from ..default_model import cache_root
-
-    return cache_root() / "qnn"
+    return pact_cache_dir("qnn")
 
 
 def cache_key(model_bytes: bytes, soc_model: str, provider_options: Mapping[str, str]) -> str:

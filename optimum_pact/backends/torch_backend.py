@@ -24,12 +24,23 @@ class TorchBackend:
     """
 
     name = "torch"
+    requested, reason = "torch", "requested"  # built directly; `get_backend` sets both on the instance
+    runs_beside_cpu = False  # the products run on the CPU cores of the adapter path: overlapping them competes
 
     def __init__(self, tile_size: int | None = None):
-        if tile_size is not None and (not isinstance(tile_size, int) or tile_size <= 0 or tile_size % 16):
-            raise ValueError(f"tile_size must be None or a positive multiple of 16; got {tile_size!r}.")
+        if tile_size is not None and (
+            isinstance(tile_size, bool) or not isinstance(tile_size, int) or tile_size <= 0 or tile_size % 16
+        ):
+            raise ValueError(
+                f"TorchBackend tile_size={tile_size!r} is invalid; pass None (the whole weight at once) "
+                "or a positive multiple of 16 (the NVFP4 block size), e.g. 256."
+            )
         self.tile_size = tile_size
         self.counts: Counter[str] = Counter()
+
+    def dense_weight_dtype(self, source_dtype: torch.dtype) -> torch.dtype:
+        """bf16 stays bf16 (the faster CPU format); every other source is stored in fp16."""
+        return torch.bfloat16 if source_dtype == torch.bfloat16 else torch.float16
 
     def prepare(self, weight: NVFP4Tensor | torch.Tensor) -> NVFP4Tensor | torch.Tensor:
         return weight

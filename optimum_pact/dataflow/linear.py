@@ -14,6 +14,18 @@ from ..precision.plan import PRECISIONS
 PACKED_NAMES = ("weight", "weight_scale", "weight_scale_2")  # ModelOpt checkpoint names
 
 
+def _backend(backend: Backend | None) -> Backend:
+    """`backend` itself, or a new torch backend for None (a layer used alone); anything else is a TypeError."""
+    if backend is None:
+        return get_backend("torch")
+    if not isinstance(backend, Backend):
+        raise TypeError(
+            f"FrozenLinear backend={backend!r} must be a backend instance, e.g. optimum_pact.get_backend('torch'); "
+            "build it once per model and pass it to every layer."
+        )
+    return backend
+
+
 class FrozenProduct(torch.autograd.Function):
     """`x @ deq(W).T` whose backward is `dy @ deq(W)` from the same packed weight and dequantizer.
 
@@ -50,8 +62,7 @@ class FrozenLinear(nn.Module):
         in_features: int,
         out_features: int,
         bias: bool = True,
-        backend: str | Backend = "torch",
-        tile_size: int | None = None,
+        backend: Backend | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         precision: str = "nvfp4",
@@ -79,34 +90,31 @@ class FrozenLinear(nn.Module):
             )
             self.register_buffer("weight_scale_2", torch.ones((), dtype=torch.float32, device=device))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), False) if bias else None
-        self.backend = get_backend(backend, tile_size=tile_size) if isinstance(backend, str) else backend
+        self.backend = _backend(backend)
         self._handle = None
 
     @classmethod
-    def empty_like(
-        cls, linear: nn.Linear, backend: str | Backend = "torch", tile_size: int | None = None, precision="nvfp4"
-    ) -> FrozenLinear:
+    def empty_like(cls, linear: nn.Linear, backend: Backend | None = None, precision: str = "nvfp4") -> FrozenLinear:
         """A FrozenLinear of `linear`'s shape, bias, dtype and device, with no weight loaded yet."""
-        backend_name = backend if isinstance(backend, str) else backend.name
-        bf16 = linear.weight.dtype == torch.bfloat16 and backend_name == "torch"
+        backend = _backend(backend)
         return cls(
             linear.in_features,
             linear.out_features,
             bias=linear.bias is not None,
             backend=backend,
-            tile_size=tile_size,
             dtype=linear.weight.dtype,
             device=linear.weight.device,
             precision=precision,
-            weight_dtype=torch.bfloat16 if bf16 else torch.float16,
+            weight_dtype=backend.dense_weight_dtype(linear.weight.dtype),
         )
 
     @classmethod
-    def from_linear(
-        cls, linear: nn.Linear, backend: str | Backend = "torch", tile_size: int | None = None, precision="nvfp4"
-    ) -> FrozenLinear:
-        """Quantize `linear.weight` to NVFP4 (or cast it to 16 bits for `precision="fp16"`); no other copy is kept."""
-        layer = cls.empty_like(linear, backend=backend, tile_size=tile_size, precision=precision)
+    def from_linear(cls, linear: nn.Linear, backend: Backend | None = None, precision: str = "nvfp4") -> FrozenLinear:
+        """Quantize `linear.weight` to NVFP4 (or cast it to 16 bits for `precision="fp16"`); no other copy is kept.
+
+        `backend` is the model's one backend instance (None: a new torch backend, for a layer used alone).
+        """
+        layer = cls.empty_like(linear, backend=backend, precision=precision)
         if precision == "fp16":
             layer.weight.copy_(linear.weight.detach())
         else:

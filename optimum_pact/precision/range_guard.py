@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import torch
 
-FP16_MAX = 65504.0
 LIMIT = 2.0**15  # half of fp16's range: headroom for the rounding of the accumulation
 
 

@@ -1,0 +1,102 @@
+"""PactOptions: the model-side PACT options, declared and checked once.
+
+`PactConfig` takes its PACT fields from this dataclass, and `pact finetune` parses it with `HfArgumentParser`, so
+each option has one name, one default, one help text and one check. A bad value raises `OptionError` naming the
+option (the field name), the value and the fix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from optimum_pact.backends import BACKEND_CHOICES
+from optimum_pact.backends.options import check_backend_choice
+from optimum_pact.errors import OptionError
+
+from .ranking import RANK_BY, check_protect_fraction, check_rank_by
+
+ADAPT_CHOICES = ("quality", "speed")
+
+
+@dataclass
+class PactOptions:
+    """Where the frozen products run and which layers stay 16-bit or get adapters."""
+
+    backend: str = field(
+        default="torch",
+        metadata={
+            "help": "Backend for the frozen-weight products ('auto': qnn where a real QNN HTP starts, else torch).",
+            "choices": list(BACKEND_CHOICES),
+        },
+    )
+    backend_options: dict | str | None = field(
+        default=None,
+        metadata={
+            "help": "Keyword options of the backend, a dict or its JSON: torch takes tile_size (weight rows / "
+            'columns dequantized at a time, a multiple of 16), qnn soc_model (e.g. {"soc_model": "69"}), '
+            "min_tokens, max_tokens, provider_options, cache, cache_dir."
+        },
+    )
+    overlap: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Run the adapter path on the CPU while the backend computes the frozen product. None: on where "
+            "the backend runs beside the CPU (qnn), off on torch (both would share the same cores)."
+        },
+    )
+    precision_budget_mib: float | None = field(
+        default=None,
+        metadata={
+            "help": "Probe gradient sensitivity on a calibration batch and keep the most sensitive linears 16-bit "
+            "within this many MiB above all-NVFP4 (PactConfig.with_precision_plan; the plan is saved)."
+        },
+    )
+    protect_fraction: float = field(
+        default=0.0,
+        metadata={
+            "help": "AQLoRA: the fraction of targeted linears with the largest 4-bit reconstruction error kept 16-bit "
+            "(no dequantization), e.g. 0.2. 0 protects none."
+        },
+    )
+    rank_by: str = field(
+        default="nvfp4",
+        metadata={"help": "AQLoRA ranking format: nvfp4 (PACT's base) or nf4 (bitsandbytes').", "choices": RANK_BY},
+    )
+    adapt: str = field(
+        default="quality",
+        metadata={
+            "help": "AQLoRA: quality adapts every targeted linear; speed only those in the top adapt_top_blocks "
+            "blocks, so the backward pass stops below them.",
+            "choices": list(ADAPT_CHOICES),
+        },
+    )
+    adapt_top_blocks: int | None = field(
+        default=None, metadata={"help": "adapt=speed: how many top blocks get adapters (None: the top half)."}
+    )
+
+    def __post_init__(self):
+        self.backend_options = check_backend_choice(self.backend, self.backend_options)
+        if self.overlap not in (None, True, False):
+            raise OptionError("overlap", f"overlap={self.overlap!r} must be True, False or None (backend default).")
+        budget = self.precision_budget_mib
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0
+        ):
+            raise OptionError("precision_budget_mib", f"precision_budget_mib={budget!r} must be a number of MiB >= 0.")
+        check_protect_fraction(self.protect_fraction, "protect_fraction")
+        check_rank_by(self.rank_by, "rank_by")
+        if self.adapt not in ADAPT_CHOICES:
+            raise OptionError("adapt", f"adapt={self.adapt!r} must be one of {', '.join(map(repr, ADAPT_CHOICES))}.")
+        top = self.adapt_top_blocks
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 1):
+            raise OptionError(
+                "adapt_top_blocks", f"adapt_top_blocks={top!r} must be a positive number of blocks or None."
+            )
+        if top is not None and self.adapt != "speed":
+            raise OptionError(
+                "adapt_top_blocks",
+                f"adapt_top_blocks={top} applies to adapt='speed'; set adapt='speed' or drop adapt_top_blocks.",
+            )
+
+
+__all__ = ["ADAPT_CHOICES", "PactOptions"]

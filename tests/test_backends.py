@@ -1,0 +1,143 @@
+"""`get_backend` builds ONE backend instance per call, "auto" included, and says why that backend runs."""
+
+import functools
+
+import pytest
+import torch
+
+from optimum_pact.backends import Backend, BackendUnavailableError, get_backend
+from optimum_pact.backends import qnn as qnn_module
+from optimum_pact.backends.torch_backend import TorchBackend
+from optimum_pact.nvfp4 import quantize
+
+needs_qnn = pytest.mark.skipif(not qnn_module.is_qnn_available(), reason="needs onnxruntime-qnn (optimum-pact[qnn])")
+EMULATOR = "the QNN HTP on x86_64 is an emulator, slower than the CPU"
+
+
+@pytest.fixture(autouse=True)
+def private_graph_cache(tmp_path, monkeypatch):
+    # compiled graphs go to a temporary cache, not ~/.cache/optimum_pact/qnn
+    monkeypatch.setenv("PACT_CACHE", str(tmp_path / "pact_cache"))
+
+
+@pytest.fixture
+def built_qnn(monkeypatch):
+    """Every QnnBackend built from here on, in order."""
+    built = []
+    init = qnn_module.QnnBackend.__init__
+
+    @functools.wraps(init)  # keeps the signature get_backend reads the options from
+    def counting_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        built.append(self)
+
+    monkeypatch.setattr(qnn_module.QnnBackend, "__init__", counting_init)
+    return built
+
+
+@needs_qnn
+def test_auto_on_x86_64_is_torch_because_the_htp_is_an_emulator(monkeypatch, caplog, built_qnn):
+    monkeypatch.setattr("platform.machine", lambda: "x86_64")
+    with caplog.at_level("INFO", logger="optimum_pact.backends"):
+        backend = get_backend("auto")
+    assert type(backend) is TorchBackend and isinstance(backend, Backend)
+    assert (backend.name, backend.requested, backend.reason) == ("torch", "auto", EMULATOR)
+    assert "backend='auto' chose 'torch'" in caplog.text and EMULATOR in caplog.text
+    assert built_qnn == []  # the emulator is not even started
+
+
+def test_auto_without_onnxruntime_qnn_is_torch_and_says_so(monkeypatch, built_qnn):
+    monkeypatch.setattr(qnn_module, "is_qnn_available", lambda: False)
+    monkeypatch.setattr("platform.machine", lambda: "aarch64")
+    backend = get_backend("auto")
+    assert (backend.name, backend.requested, backend.reason) == ("torch", "auto", "onnxruntime-qnn is not installed")
+    assert built_qnn == []
+
+
+@needs_qnn
+def test_auto_keeps_the_options_of_its_choice_and_drops_the_others(monkeypatch):
+    monkeypatch.setattr("platform.machine", lambda: "x86_64")
+    backend = get_backend("auto", soc_model="69", tile_size=64)
+    assert type(backend) is TorchBackend and backend.tile_size == 64
+    assert not hasattr(backend, "soc_model")
+
+
+def test_an_explicit_name_is_requested_and_its_unknown_options_are_errors():
+    backend = get_backend("torch", tile_size=32)
+    assert (backend.name, backend.requested, backend.reason, backend.tile_size) == ("torch", "torch", "requested", 32)
+    assert get_backend("torch") is not get_backend("torch")  # one instance per call: nothing cached
+    with pytest.raises(ValueError, match=r"backend='torch' has no option soc_model='69'; its options are tile_size"):
+        get_backend("torch", soc_model="69")
+    # tile_size belongs to the torch backend now; the message says so (no qnn runtime needed to see it)
+    with pytest.raises(ValueError, match=r"no option tile_size=64; its options are soc_model, .*backend='torch'"):
+        get_backend("qnn", tile_size=64)
+    with pytest.raises(ValueError, match="tile_size=24 is invalid"):
+        get_backend("torch", tile_size=24)
+    with pytest.raises(ValueError, match="Unknown backend 'npu'"):
+        get_backend("npu")
+
+
+@needs_qnn
+def test_auto_on_an_npu_machine_returns_the_qnn_backend_it_built(monkeypatch, built_qnn):
+    starts = []
+    start = qnn_module._start_htp
+    monkeypatch.setattr(qnn_module, "_start_htp", lambda soc_model: (starts.append(soc_model), start(soc_model)))
+    monkeypatch.setattr("platform.machine", lambda: "x86_64")
+    assert get_backend("auto").name == "torch"  # resolved at each call, not once per process
+    monkeypatch.setattr("platform.machine", lambda: "aarch64")
+    backend = get_backend("auto", soc_model="69", tile_size=64, min_tokens=32)
+    assert isinstance(backend, qnn_module.QnnBackend) and isinstance(backend, Backend)
+    assert (backend.requested, backend.reason) == ("auto", "the QNN HTP backend started")
+    assert backend.soc_model == "69" and backend.min_tokens == 32  # its options reach it; tile_size is dropped
+    assert built_qnn == [backend] and starts == ["69"]  # the instance returned is the one built: no probe instance
+    assert backend.forward(torch.randn(3, 32), backend.prepare(quantize(torch.randn(16, 32)))).shape == (3, 16)
+
+
+@needs_qnn
+def test_auto_falls_back_to_torch_when_the_htp_does_not_start(monkeypatch, caplog, built_qnn):
+    def no_device():
+        raise BackendUnavailableError("no HTP device")
+
+    monkeypatch.setattr(qnn_module, "_qnn_devices", no_device)
+    monkeypatch.setattr("platform.machine", lambda: "aarch64")
+    with caplog.at_level("WARNING", logger="optimum_pact.backends"):
+        backend = get_backend("auto", tile_size=32)
+    assert type(backend) is TorchBackend and backend.tile_size == 32
+    assert backend.reason == "the QNN HTP backend did not start (no HTP device)" and backend.requested == "auto"
+    assert "falling back to 'torch'" in caplog.text
+    assert built_qnn == []
+
+
+def test_torch_backend_runs_on_the_cpu_and_keeps_bf16():
+    backend = get_backend("torch")
+    assert backend.runs_beside_cpu is False
+    assert backend.dense_weight_dtype(torch.bfloat16) == torch.bfloat16
+    assert backend.dense_weight_dtype(torch.float32) == backend.dense_weight_dtype(torch.float16) == torch.float16
+
+
+@needs_qnn
+def test_qnn_backend_runs_beside_the_cpu_and_stores_fp16():
+    backend = get_backend("qnn", cache=False)
+    assert (backend.name, backend.requested, backend.reason) == ("qnn", "qnn", "requested")
+    assert backend.runs_beside_cpu is True
+    for source in (torch.bfloat16, torch.float32, torch.float16):
+        assert backend.dense_weight_dtype(source) == torch.float16
+
+
+@needs_qnn
+def test_one_instance_shares_its_sessions_and_two_instances_do_not():
+    torch.manual_seed(0)
+    first, second = get_backend("qnn", cache=False), get_backend("qnn", cache=False)
+    weights = [quantize(torch.randn(48, 64)) for _ in range(3)]
+    x = torch.randn(5, 64)
+    for weight in weights:  # three layers of one shape on one instance: one compiled graph
+        first.forward(x, first.prepare(weight))
+    assert list(first.graph_placement()) == [("forward", 48, 64, 16, "nvfp4")]
+    (shared,) = first._runtime.sessions.values()
+    first.forward(x, first.prepare(weights[0]))
+    assert list(first._runtime.sessions.values()) == [shared]  # still the same session object
+
+    assert second.graph_placement() == {}  # nothing compiled by the first instance is visible here
+    second.forward(x, second.prepare(weights[0]))
+    (own,) = second._runtime.sessions.values()
+    assert second._runtime is not first._runtime and own is not shared
