@@ -48,7 +48,7 @@ def run_arm(arm: str, steps: int, batch: int, seq: int) -> dict:
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from optimum_pact.default_model import ensure_default_model
+    from optimum_pact.commands.default_model import ensure_default_model
     from peft_ext import PactConfig
 
     torch.set_num_threads(2)

@@ -54,10 +54,10 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq
 
-    from optimum_pact.data import load_personal_dataset
-    from optimum_pact.default_model import ensure_default_model
-    from optimum_pact.evaluation import accuracy, classify
-    from optimum_pact.finetune import tokenize_examples
+    from optimum_pact.commands.data import load_personal_dataset
+    from optimum_pact.commands.default_model import ensure_default_model
+    from optimum_pact.commands.evaluation import accuracy, classify
+    from optimum_pact.commands.finetune import tokenize_examples
     from peft_ext import PactConfig
     from peft_ext.precision import probe_precision
 

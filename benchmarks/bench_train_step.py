@@ -44,7 +44,7 @@ def build(arm: str, model_path: str, r: int):
 def run_arm(arm: str, model_path: str, steps: int, batch: int, seq: int, r: int) -> dict:
     import torch
 
-    from trainer_callbacks import peak_rss_bytes
+    from trainer_callbacks.resources import peak_rss_bytes
 
     torch.set_num_threads(2)
     torch.manual_seed(0)
@@ -75,7 +75,7 @@ def main() -> None:
     parser.add_argument("--r", type=int, default=16)
     args = parser.parse_args()
     if args.model is None:
-        from optimum_pact.default_model import ensure_default_model
+        from optimum_pact.commands.default_model import ensure_default_model
 
         args.model = str(ensure_default_model())
     if args.arm:

@@ -126,7 +126,7 @@ def batches(tokenizer, items: list[dict], steps: int, batch_size: int, seed: int
 
     from transformers import DataCollatorForSeq2Seq
 
-    from optimum_pact.finetune import tokenize_examples
+    from optimum_pact.commands.finetune import tokenize_examples
 
     rows = tokenize_examples(tokenizer, items)
     collate = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
@@ -164,7 +164,7 @@ def train(model, data: list[dict], lr: float) -> list[float]:
 def evaluate(model, tokenizer, task) -> dict:
     import lamp
 
-    from optimum_pact.evaluation import classify
+    from optimum_pact.commands.evaluation import classify
 
     predictions = classify(model, tokenizer, [i["text"] for i in task.test], list(task.labels))
     golds = [i["label"] for i in task.test]
@@ -349,7 +349,7 @@ def save(results: dict, out: Path) -> None:
 
 
 def model_path(args) -> str:
-    from optimum_pact.default_model import ensure_default_model
+    from optimum_pact.commands.default_model import ensure_default_model
 
     return args.model or str(ensure_default_model())
 
@@ -365,9 +365,9 @@ def main(argv=None) -> dict:
         return {}
     from transformers import AutoTokenizer
 
-    from optimum_pact.default_model import cache_root
+    from optimum_pact.cache import cache_dir
 
-    default_out = cache_root() / ("personalization-quick" if args.quick else "personalization")
+    default_out = cache_dir() / ("personalization-quick" if args.quick else "personalization")
     out = Path(args.output) if args.output else default_out
     out.mkdir(parents=True, exist_ok=True)
     workloads = build_workloads(args)

@@ -25,9 +25,9 @@ LIKED_AT = 4.0
 
 
 def cache_dir(root: str | Path | None = None) -> Path:
-    from optimum_pact.default_model import cache_root
+    from optimum_pact.cache import cache_dir as pact_cache_dir
 
-    return cache_root(root) / "movielens"
+    return pact_cache_dir("movielens", root=root)
 
 
 def _fetch_deb(folder: Path) -> Path:

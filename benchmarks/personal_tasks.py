@@ -43,7 +43,7 @@ def nightly_tasks(generated_users: int, items_per_user: int, test_fraction: floa
     """The built-in dataset's user (its own train / held-out split) and `generated_users` generated ones."""
     import personal_users
 
-    from optimum_pact.data import load_personal_dataset
+    from optimum_pact.commands.data import load_personal_dataset
 
     train, heldout = load_personal_dataset()
     labels = tuple(sorted({i["label"] for i in train + heldout}))

@@ -35,9 +35,9 @@ class Example:
 
 
 def cache_dir(root: str | Path | None = None) -> Path:
-    from optimum_pact.default_model import cache_root
+    from optimum_pact.cache import cache_dir as pact_cache_dir
 
-    return cache_root(root) / "bigbench"
+    return pact_cache_dir("bigbench", root=root)
 
 
 def _download_sdist(folder: Path) -> Path:

@@ -22,11 +22,13 @@ from datasets import Dataset
 from peft import get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, HfArgumentParser
 
-from optimum_pact.data import load_personal_dataset
-from optimum_pact.evaluation import accuracy, classify
-from optimum_pact.finetune import DEFAULT_MODEL_HUB_ID, DEFAULT_MODEL_NOTE, resolve_model, tokenize_examples
+from optimum_pact.commands.data import load_personal_dataset
+from optimum_pact.commands.default_model import DEFAULT_MODEL_HUB_ID, DEFAULT_MODEL_NOTE
+from optimum_pact.commands.evaluation import accuracy, classify
+from optimum_pact.commands.finetune import resolve_model, tokenize_examples
 from peft_ext import PactConfig
-from trainer_callbacks import PactTrainer, PactTrainingArguments, write_model_card
+from trainer_callbacks import PactTrainer, PactTrainingArguments
+from trainer_callbacks.model_card import write_model_card
 
 
 @dataclass

@@ -10,7 +10,7 @@ from peft import PeftModel, get_peft_model
 from optimum_pact.backends.torch_backend import TorchBackend
 from optimum_pact.dataflow import FrozenLinear
 from peft_ext import PactConfig
-from peft_ext.protection import choose_protected
+from peft_ext.ranking import choose_protected
 
 BLOCKS = 4
 

@@ -19,9 +19,10 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from optimum_pact.cli import main
+from optimum_pact.commands.cli import main
 from peft_ext import PactConfig
-from trainer_callbacks import OutputDirLock, OutputDirLockedError, write_model_card
+from trainer_callbacks.lock import OutputDirLock, OutputDirLockedError
+from trainer_callbacks.model_card import write_model_card
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCK_PY = ROOT / "trainer_callbacks" / "lock.py"
@@ -61,7 +62,7 @@ def job(tmp_path_factory):
 def _launch(args: list[str]) -> subprocess.Popen:
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error", "TQDM_DISABLE": "1"}
     return subprocess.Popen(
-        [sys.executable, "-m", "optimum_pact.cli", *args],
+        [sys.executable, "-m", "optimum_pact.commands.cli", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -210,9 +211,9 @@ def test_checkpoint_of_another_base_model_is_refused(job, tmp_path, capsys):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--thermal-limit", "-5"], "--thermal-limit=-5.0 is outside 30-105 degrees Celsius"),
+        (["--thermal-limit", "-5"], "--thermal-limit: pact_thermal_limit_c=-5.0 is outside 30-105 degrees Celsius"),
         (["--thermal-limit", "45000"], "looks like millidegrees: use 45"),
-        (["--duty-cycle", "0"], "--duty-cycle=0.0 must be in (0, 1]"),
+        (["--duty-cycle", "0"], "--duty-cycle: pact_duty_cycle=0.0 must be in (0, 1]"),
     ],
 )
 def test_bad_background_options_are_clear_errors(extra, message, capsys):
@@ -222,7 +223,9 @@ def test_bad_background_options_are_clear_errors(extra, message, capsys):
 
 def test_background_only_options_need_background(capsys):
     assert main(["finetune", "--save-steps", "5"]) == 2
-    assert "--save-steps only apply to background runs; add --background" in capsys.readouterr().err
+    assert "--save-steps: save_steps=5.0 sets checkpointing, which the main job does only with --background" in (
+        capsys.readouterr().err
+    )
 
 
 def _readme_commands() -> list[str]:

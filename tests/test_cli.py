@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from optimum_pact.backends.qnn import is_qnn_available
-from optimum_pact.cli import main
+from optimum_pact.commands.arguments import build_parser, parse_finetune_args
+from optimum_pact.commands.cli import main
 
 
 def test_missing_model_path_is_a_clear_error(capsys):
@@ -35,7 +36,7 @@ def test_unknown_backend_is_a_clear_error(capsys):
 def test_main_job_end_to_end(tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "optimum_pact.cli", "finetune", "--output", str(out)],
+        [sys.executable, "-m", "optimum_pact.commands.cli", "finetune", "--output", str(out)],
         capture_output=True,
         text=True,
         timeout=1800,
@@ -62,7 +63,7 @@ def small_model(tmp_path_factory):
     """SmolLM2's tokenizer on a 2-block model of random weights: the main job's code path, in seconds."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from optimum_pact.default_model import ensure_default_model
+    from optimum_pact.commands.default_model import ensure_default_model
 
     folder = tmp_path_factory.mktemp("small_model")
     tokenizer = AutoTokenizer.from_pretrained(ensure_default_model())
@@ -77,7 +78,7 @@ def small_model(tmp_path_factory):
 
 def test_soc_model_without_qnn_is_a_clear_error(capsys):
     assert main(["finetune", "--soc-model", "69"]) == 2
-    assert "--soc-model '69' applies to --backend qnn" in capsys.readouterr().err
+    assert "backend='torch' has no option soc_model='69'" in capsys.readouterr().err
 
 
 def test_main_job_with_a_precision_plan(small_model, tmp_path, capsys):
@@ -115,7 +116,7 @@ def test_main_job_with_aqlora_speed(small_model, tmp_path):
 
 def test_bad_aqlora_option_is_a_clear_cli_error(capsys):
     assert main(["finetune", "--protect-fraction", "1.5"]) == 2
-    assert "--protect-fraction=1.5 is outside the valid range [0, 1]" in capsys.readouterr().err
+    assert "--protect-fraction: protect_fraction=1.5 is outside the valid range [0, 1]" in capsys.readouterr().err
 
 
 def test_main_job_with_memory_savers(small_model, tmp_path, capsys):
@@ -132,11 +133,135 @@ def test_main_job_with_memory_savers(small_model, tmp_path, capsys):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--subset-k", "10"], "--subset-k=10 is used by --memory-saver='full' only"),
-        (["--offload-dir", "/tmp/x"], "--offload-dir is used by --memory-saver exact/full only"),
-        (["--memory-saver", "full", "--subset-k", "0"], "--subset-k=0 must be a positive integer"),
+        (["--subset-k", "10"], "--subset-k: pact_subset_k=10 is used by pact_memory_saver='full' only"),
+        (["--offload-dir", "/tmp/x"], "--offload-dir: pact_offload_dir='/tmp/x' is used by pact_memory_saver"),
+        (["--memory-saver", "full", "--subset-k", "0"], "--subset-k: pact_subset_k=0 must be a positive integer"),
     ],
 )
 def test_bad_memory_saver_flags_are_clear_cli_errors(flags, message, capsys):
     assert main(["finetune", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+# -- one parser over the dataclasses: every Trainer and PACT option, the old flags, a run file -----------------
+
+OLD_FLAGS = {  # every flag of earlier releases -> (value given, option it sets, value expected)
+    "--model": ("m", "model", "m"),
+    "--data": ("d.jsonl", "data", "d.jsonl"),
+    "--output": ("out", "output", "out"),
+    "--backend": ("auto", "backend", "auto"),
+    "--soc-model": ("69", "backend_options", {"soc_model": "69"}),
+    "--precision-budget-mib": ("16", "precision_budget_mib", 16.0),
+    "--r": ("4", "r", 4),
+    "--lora-alpha": ("8", "lora_alpha", 8),
+    "--learning-rate": ("0.01", "learning_rate", 0.01),
+    "--epochs": ("3", "num_train_epochs", 3.0),
+    "--max-steps": ("7", "max_steps", 7),
+    "--batch-size": ("2", "per_device_train_batch_size", 2),
+    "--dtype": ("float32", "dtype", "float32"),
+    "--seed": ("5", "seed", 5),
+    "--protect-fraction": ("0.2", "protect_fraction", 0.2),
+    "--rank-by": ("nf4", "rank_by", "nf4"),
+    "--adapt": ("speed", "adapt", "speed"),
+    "--adapt-top-blocks": ("2", "adapt_top_blocks", 2),
+    "--memory-saver": ("full", "pact_memory_saver", "full"),
+    "--offload-dir": ("off", "pact_offload_dir", "off"),
+    "--subset-k": ("64", "pact_subset_k", 64),
+    "--save-steps": ("5", "save_steps", 5),
+    "--save-minutes": ("3", "pact_save_minutes", 3.0),
+    "--keep-checkpoints": ("4", "save_total_limit", 4),
+    "--thermal-limit": ("41", "pact_thermal_limit_c", 41.0),
+    "--duty-cycle": ("0.5", "pact_duty_cycle", 0.5),
+    "--min-battery": ("30", "pact_min_battery", 30),
+    "--sysfs-root": ("/fake", "pact_sysfs_root", "/fake"),
+}
+
+
+def _value(run, name):
+    for part in (run.job, run.config, run.args):
+        if hasattr(part, name):
+            return getattr(part, name)
+    raise AttributeError(name)
+
+
+def test_every_old_flag_still_sets_its_option():
+    argv = [token for flag, (value, _, _) in OLD_FLAGS.items() for token in (flag, value)]
+    spelled = {}
+    run = parse_finetune_args([*argv, "--background", "--only-while-charging"], spelled)
+    for flag, (_, name, expected) in OLD_FLAGS.items():
+        assert _value(run, name) == expected, (flag, name, _value(run, name))
+        assert flag in spelled.values()
+    assert run.job.background and run.args.pact_only_while_charging and run.args.pact_resumable
+
+
+def test_defaults_are_the_main_job_and_background_fills_its_own():
+    run = parse_finetune_args([])
+    assert (run.config.r, run.config.lora_alpha, run.config.target_modules) == (8, 16, "all-linear")
+    assert (run.args.learning_rate, run.args.num_train_epochs, run.args.per_device_train_batch_size) == (2e-3, 2, 8)
+    assert run.args.seed == 0 and run.args.output_dir == "pact-output/trainer" and not run.args.pact_resumable
+    run = parse_finetune_args(["--background", "--save-steps", "7"])
+    assert (run.args.save_steps, run.args.save_total_limit, run.args.pact_save_minutes) == (7, 2, 10.0)
+    assert run.args.pact_resumable and run.args.pact_thermal_pacing
+
+
+def test_aliases_use_argparse_the_way_add_argument_does():
+    # build_parser extends argparse's option tables (no public API for aliases): fail loudly if they change
+    parser = build_parser()
+    assert parser.parse_args(["--epochs", "3"]).num_train_epochs == 3
+    assert "--epochs" in parser.format_help()
+
+
+def test_run_file_sets_options_and_flags_override_it(tmp_path):
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text("learning_rate: 0.01\nmax_steps: 3\nprotect_fraction: 0.1\npact_memory_saver: exact\n")
+    spelled = {}
+    run = parse_finetune_args(["--config", str(run_file), "--max_steps", "5"], spelled)
+    assert run.args.learning_rate == 0.01 and run.args.max_steps == 5 and run.config.protect_fraction == 0.1
+    assert run.args.pact_memory_saver == "exact" and spelled["learning_rate"] == f"{run_file}: learning_rate"
+    as_json = tmp_path / "run.json"
+    as_json.write_text(json.dumps({"backend": "auto", "r": 4}))
+    run = parse_finetune_args(["--config", str(as_json)])
+    assert run.config.backend == "auto" and run.config.r == 4
+
+
+def test_main_job_from_a_run_file_with_any_trainer_option(small_model, tmp_path):
+    out = tmp_path / "run"
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(
+        f"model: {small_model}\noutput: {out}\nmax_steps: 2\ndtype: float32\nlr_scheduler_type: constant\n"
+    )
+    assert main(["finetune", "--config", str(run_file), "--per_device_train_batch_size", "4", "--max_steps", "3"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["products"] == {"torch": 3 * (14 + 11)}
+    card = (out / "adapter" / "README.md").read_text()
+    assert "| batch size | 4 |" in card and "| max steps | 3 |" in card
+
+
+@pytest.mark.parametrize(
+    ("argv", "run_file", "needles"),
+    [
+        (["--warmup_steps", "-1"], None, ["warmup_steps = -1"]),
+        (["--min-battery", "150", "--background"], None, ["--min-battery: pact_min_battery=150"]),
+        (["--backend_options", "{soc"], None, ["--backend_options: backend_options='{soc' is not valid JSON"]),
+        ([], "lerning_rate: 0.1\n", ["run.yaml: 'lerning_rate' is not a pact finetune option", "learning_rate"]),
+        ([], "pact_duty_cycle: 0\n", ["run.yaml: pact_duty_cycle: pact_duty_cycle=0 must be in (0, 1]"]),
+        ([], "- a list\n", ["must hold a mapping"]),
+    ],
+)
+def test_a_wrong_value_anywhere_is_one_clear_error_naming_it_as_written(argv, run_file, needles, tmp_path, capsys):
+    if run_file is not None:
+        (tmp_path / "run.yaml").write_text(run_file)
+        argv = [*argv, "--config", str(tmp_path / "run.yaml")]
+    assert main(["finetune", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pact finetune: error: ") and "Traceback" not in err
+    for needle in needles:
+        assert needle in err, (needle, err)
+
+
+def test_a_malformed_flag_is_argparses_error_naming_the_flag_as_typed(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["finetune", "--epochs", "two"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--epochs" in err and "invalid float value: 'two'" in err and "Traceback" not in err

@@ -3,7 +3,7 @@ from collections import Counter
 
 import pytest
 
-from optimum_pact.data import DEFAULT_DATA, PROMPT_TEMPLATE, format_example, load_personal_dataset
+from optimum_pact.commands.data import DEFAULT_DATA, PROMPT_TEMPLATE, format_example, load_personal_dataset
 
 
 def write_lines(tmp_path, lines: list[str], name: str = "notes.jsonl"):

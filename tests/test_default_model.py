@@ -1,7 +1,7 @@
 import pytest
 
-from optimum_pact.data import load_personal_dataset
-from optimum_pact.default_model import ensure_default_model
+from optimum_pact.commands.data import load_personal_dataset
+from optimum_pact.commands.default_model import ensure_default_model
 
 
 @pytest.mark.slow
@@ -9,7 +9,7 @@ def test_default_model_loads_and_classifies():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from optimum_pact.evaluation import accuracy, classify
+    from optimum_pact.commands.evaluation import accuracy, classify
 
     folder = ensure_default_model()  # honours $PACT_CACHE; downloads ~93 MB and converts on first use
     assert ensure_default_model() == folder
@@ -55,7 +55,7 @@ def reference_scores(model, tokenizer, texts, labels):
     """One unpadded forward pass per (text, label): the obvious, slow way."""
     import torch
 
-    from optimum_pact.data import format_example
+    from optimum_pact.commands.data import format_example
 
     rows = []
     with torch.no_grad():
@@ -76,7 +76,7 @@ def reference_scores(model, tokenizer, texts, labels):
 def test_scores_match_reference_on_tiny_model():
     import torch
 
-    from optimum_pact.evaluation import classify, score_labels
+    from optimum_pact.commands.evaluation import classify, score_labels
 
     model, tokenizer = tiny_model().eval(), CharTokenizer()
     texts = ["buy milk", "call mum about the weekend", "tyres", "a much longer note about nothing at all", "x"] * 2
@@ -90,7 +90,7 @@ def test_scores_match_reference_on_tiny_model():
 def test_classify_on_peft_model_restores_mode():
     from peft import LoraConfig, get_peft_model
 
-    from optimum_pact.evaluation import accuracy, classify
+    from optimum_pact.commands.evaluation import accuracy, classify
 
     model = get_peft_model(tiny_model(), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
     model.train()

@@ -29,9 +29,8 @@ from trainer_callbacks import (
     PactTrainer,
     PactTrainingArguments,
     ResumableExecutionCallback,
-    read_manifest,
 )
-from trainer_callbacks.checkpoint import MANIFEST_NAME, list_checkpoints
+from trainer_callbacks.checkpoint import MANIFEST_NAME, list_checkpoints, read_manifest
 
 ROWS, BATCH, EPOCHS, SAVE_STEPS = 24, 4, 3, 3  # 6 steps an epoch, 18 in all: resumes land mid-epoch
 

@@ -1,9 +1,9 @@
-"""Trainer side of PACT: `PactTrainingArguments`, `PactTrainer` and their callbacks."""
+"""Trainer side of PACT: `PactTrainingArguments`, `PactTrainer` and the callbacks they add, which also work on the
+stock `Trainer`. Helpers for applications (the output-folder lock, the model card, checkpoint manifests) live in
+their modules (`trainer_callbacks.lock`, `.model_card`, `.checkpoint`)."""
 
-from .checkpoint import CorruptCheckpointError, find_checkpoint, model_identity, read_manifest
-from .lock import OutputDirLock, OutputDirLockedError
-from .model_card import write_model_card
-from .resources import ResourceReportCallback, peak_rss_bytes
+from .checkpoint import CorruptCheckpointError
+from .resources import ResourceReportCallback
 from .resumable import ResumableExecutionCallback, TrainingInterrupted
 from .thermal import ThermalPacingCallback
 from .trainer import PactTrainer
@@ -11,17 +11,10 @@ from .training_args import PactTrainingArguments
 
 __all__ = [
     "CorruptCheckpointError",
-    "OutputDirLock",
-    "OutputDirLockedError",
     "PactTrainer",
     "PactTrainingArguments",
     "ResourceReportCallback",
     "ResumableExecutionCallback",
     "ThermalPacingCallback",
     "TrainingInterrupted",
-    "find_checkpoint",
-    "model_identity",
-    "peak_rss_bytes",
-    "read_manifest",
-    "write_model_card",
 ]

@@ -17,6 +17,8 @@ from pathlib import Path
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
+from optimum_pact.errors import OptionError
+
 logger = logging.getLogger(__name__)
 
 # Zone `type` patterns (case-insensitive globs). Phones expose a skin (case) sensor, which is what must stay cool;
@@ -33,14 +35,17 @@ def check_limit(option: str, value: float | None) -> None:
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        raise ValueError(f"{option}={value!r} must be a temperature in degrees Celsius, e.g. 40 for a phone's skin.")
+        raise OptionError(
+            option, f"{option}={value!r} must be a temperature in degrees Celsius, e.g. 40 for a phone's skin."
+        )
     low, high = LIMIT_RANGE_C
     if low <= value <= high:
         return
     hint = f" It looks like millidegrees: use {value / 1000:g}." if value >= 1000 else ""
-    raise ValueError(
+    raise OptionError(
+        option,
         f"{option}={value!r} is outside {low:g}-{high:g} degrees Celsius.{hint} Use about 40 for a phone's skin "
-        f"sensor or 85 for a CPU sensor (below {low:g} the device could never cool enough to train)."
+        f"sensor or 85 for a CPU sensor (below {low:g} the device could never cool enough to train).",
     )
 
 
@@ -52,31 +57,37 @@ def check_pacing_options(
     poll_seconds: float = 2.0,
     names: dict[str, str] | None = None,
 ) -> None:
-    """The validation shared by the callback, `PactTrainingArguments` and the CLI; `names` maps each argument to
-    the option name the user typed (default: the argument names)."""
+    """The validation shared by the callback and `PactTrainingArguments`; `names` maps each argument to the option
+    name its caller declares (default: the argument names). Raises `OptionError` naming that option."""
     name = {k: k for k in ("limit_c", "hysteresis_c", "duty_cycle", "min_battery", "poll_seconds")}
     name.update(names or {})
     check_limit(name["limit_c"], limit_c)
     if isinstance(hysteresis_c, bool) or not isinstance(hysteresis_c, (int, float)) or not 0 < hysteresis_c <= 20:
-        raise ValueError(
+        raise OptionError(
+            name["hysteresis_c"],
             f"{name['hysteresis_c']}={hysteresis_c!r} must be a number of degrees in (0, 20]; training resumes "
-            "once the sensor is this far below the limit (try 2)."
+            "once the sensor is this far below the limit (try 2).",
         )
     if duty_cycle is not None and (
         isinstance(duty_cycle, bool) or not isinstance(duty_cycle, (int, float)) or not 0 < duty_cycle <= 1
     ):
-        raise ValueError(
+        raise OptionError(
+            name["duty_cycle"],
             f"{name['duty_cycle']}={duty_cycle!r} must be in (0, 1]: the fraction of time spent training "
-            "(0.5 rests as long as each step took); None trains flat out."
+            "(0.5 rests as long as each step took); None trains flat out.",
         )
     if min_battery is not None and (
         isinstance(min_battery, bool) or not isinstance(min_battery, int) or not 0 <= min_battery <= 100
     ):
-        raise ValueError(f"{name['min_battery']}={min_battery!r} must be a battery percentage, an integer in 0-100.")
+        raise OptionError(
+            name["min_battery"],
+            f"{name['min_battery']}={min_battery!r} must be a battery percentage, an integer in 0-100.",
+        )
     if isinstance(poll_seconds, bool) or not isinstance(poll_seconds, (int, float)) or not 0 < poll_seconds <= 600:
-        raise ValueError(
+        raise OptionError(
+            name["poll_seconds"],
             f"{name['poll_seconds']}={poll_seconds!r} must be in (0, 600]: how often sensors are read while "
-            "paused (try 2)."
+            "paused (try 2).",
         )
 
 

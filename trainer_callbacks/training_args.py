@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from optimum_pact.errors import OptionError
 from optimum_pact.memory import MEMORY_SAVER_PRESETS, check_subset_k
 
 from .thermal import check_pacing_options
@@ -21,24 +22,30 @@ def check_memory_saver_options(
     mlp_chunk_tokens: int | None = 512,
     names: dict[str, str] | None = None,
 ) -> None:
-    """The validation shared by `PactTrainingArguments` and the CLI; `names` maps each argument to the option name
-    the user typed (default: the argument names)."""
+    """The memory-saver options' checks; `names` maps each argument to its option name (default: the argument
+    names). Raises `OptionError` naming the option."""
     name = {k: k for k in ("memory_saver", "subset_k", "cache_mib", "mlp_chunk_tokens")}
     name.update(names or {})
     if memory_saver not in MEMORY_SAVERS:
-        raise ValueError(f"{name['memory_saver']}={memory_saver!r} is not one of {', '.join(MEMORY_SAVERS)}.")
+        raise OptionError(
+            name["memory_saver"], f"{name['memory_saver']}={memory_saver!r} is not one of {', '.join(MEMORY_SAVERS)}."
+        )
     if subset_k is not None:
         check_subset_k(subset_k, name=name["subset_k"])
         if memory_saver != "full":
-            raise ValueError(
+            raise OptionError(
+                name["subset_k"],
                 f"{name['subset_k']}={subset_k} is used by {name['memory_saver']}='full' only (it is "
-                f"{memory_saver!r}); set {name['memory_saver']}='full' or leave {name['subset_k']} unset."
+                f"{memory_saver!r}); set {name['memory_saver']}='full' or leave {name['subset_k']} unset.",
             )
     if isinstance(cache_mib, bool) or not isinstance(cache_mib, (int, float)) or not cache_mib >= 0:
-        raise ValueError(f"{name['cache_mib']}={cache_mib!r} must be a number of MiB >= 0.")
+        raise OptionError(name["cache_mib"], f"{name['cache_mib']}={cache_mib!r} must be a number of MiB >= 0.")
     chunk = mlp_chunk_tokens
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-        raise ValueError(f"{name['mlp_chunk_tokens']}={chunk!r} must be a positive integer (or None: no chunks).")
+        raise OptionError(
+            name["mlp_chunk_tokens"],
+            f"{name['mlp_chunk_tokens']}={chunk!r} must be a positive integer (or None: no chunks).",
+        )
 
 
 @dataclass
@@ -152,8 +159,9 @@ class PactTrainingArguments(TrainingArguments):
             or not isinstance(self.pact_num_threads, int)
             or self.pact_num_threads < 1
         ):
-            raise ValueError(
-                f"pact_num_threads={self.pact_num_threads!r} must be a positive integer (or None for torch's default)."
+            raise OptionError(
+                "pact_num_threads",
+                f"pact_num_threads={self.pact_num_threads!r} must be a positive integer (None: torch's default).",
             )
         check_pacing_options(
             self.pact_thermal_limit_c,
@@ -170,28 +178,36 @@ class PactTrainingArguments(TrainingArguments):
             },
         )
         if self.pact_thermal_zones is not None and not self.thermal_zone_patterns:
-            raise ValueError(
+            raise OptionError(
+                "pact_thermal_zones",
                 f"pact_thermal_zones={self.pact_thermal_zones!r} names no zone; give comma-separated globs of "
-                "thermal zone types (e.g. 'skin-therm,cpu*') or leave it unset for the defaults."
+                "thermal zone types (e.g. 'skin-therm,cpu*') or leave it unset for the defaults.",
             )
         if self.pact_thermal_zones is not None and self.pact_thermal_limit_c is None:
-            raise ValueError(
+            raise OptionError(
+                "pact_thermal_zones",
                 f"pact_thermal_zones={self.pact_thermal_zones!r} needs pact_thermal_limit_c (degrees Celsius) "
-                "for those sensors."
+                "for those sensors.",
             )
         if self.pact_save_minutes is not None and (
             isinstance(self.pact_save_minutes, bool)
             or not isinstance(self.pact_save_minutes, (int, float))
             or not self.pact_save_minutes > 0
         ):
-            raise ValueError(f"pact_save_minutes={self.pact_save_minutes!r} must be a positive number of minutes.")
+            raise OptionError(
+                "pact_save_minutes",
+                f"pact_save_minutes={self.pact_save_minutes!r} must be a positive number of minutes.",
+            )
         if self.resumable_enabled and self.load_best_model_at_end:
             raise ValueError(
                 "load_best_model_at_end=True does not work with pact_resumable=True (checkpoints are moved into "
                 "<output_dir>/checkpoints when committed); turn one of them off."
             )
         if self.resumable_enabled and self.save_total_limit is not None and self.save_total_limit < 1:
-            raise ValueError(f"save_total_limit={self.save_total_limit!r} must be at least 1 with pact_resumable.")
+            raise OptionError(
+                "save_total_limit",
+                f"save_total_limit={self.save_total_limit!r} must be at least 1 with pact_resumable.",
+            )
 
     def _check_memory_saver_options(self) -> None:
         check_memory_saver_options(
@@ -206,10 +222,17 @@ class PactTrainingArguments(TrainingArguments):
                 "mlp_chunk_tokens": "pact_mlp_chunk_tokens",
             },
         )
+        if self.pact_offload_dir is not None and not self.memory_savers_enabled:
+            raise OptionError(
+                "pact_offload_dir",
+                f"pact_offload_dir={self.pact_offload_dir!r} is used by pact_memory_saver 'exact' or 'full' only; "
+                "set pact_memory_saver or drop pact_offload_dir.",
+            )
         if self.memory_savers_enabled and self.activation_checkpointing:  # gradient_checkpointing is its alias
-            raise ValueError(
+            raise OptionError(
+                "pact_memory_saver",
                 f"pact_memory_saver={self.pact_memory_saver!r} checkpoints the decoder blocks itself; set "
-                "activation_checkpointing=False (or pact_memory_saver='none' to use transformers' checkpointing)."
+                "activation_checkpointing=False (or pact_memory_saver='none' to use transformers' checkpointing).",
             )
 
     @property

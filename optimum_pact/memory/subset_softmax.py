@@ -41,6 +41,8 @@ import math
 
 import torch
 
+from ..errors import OptionError
+
 DEFAULT_K = 1000  # the published stack's top-1000 softmax approximation
 CHUNK_BYTES = 8 * 2**20  # gathered weight rows (or full-vocab logits) per chunk of tokens
 
@@ -50,11 +52,12 @@ def check_subset_k(
 ) -> None:
     """`k` must be a positive integer, at most `vocab_size` when given; errors say `name` and how to turn it `off`."""
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"{name}={k!r} must be a positive integer (default {DEFAULT_K}).")
+        raise OptionError(name, f"{name}={k!r} must be a positive integer (default {DEFAULT_K}).")
     if vocab_size is not None and k > vocab_size:
-        raise ValueError(
+        raise OptionError(
+            name,
             f"{name}={k} is larger than the vocabulary ({vocab_size} tokens). Use {name} <= {vocab_size} "
-            f"(= {vocab_size} is the exact full softmax), or turn the subset softmax off ({off})."
+            f"(= {vocab_size} is the exact full softmax), or turn the subset softmax off ({off}).",
         )
 
 

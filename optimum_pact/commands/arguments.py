@@ -1,0 +1,232 @@
+"""`pact finetune`'s options: the main job's own dataclass beside the library's, parsed by `HfArgumentParser`.
+
+Every option is declared once, in its dataclass: `FinetuneArguments` (what to train on, where the result goes),
+peft's `LoraConfig` (the LoRA fields below), `PactOptions` (backend, AQLoRA, precision) and `PactTrainingArguments`
+(every Trainer option and PACT's training options). This module only chooses the main job's defaults, keeps the
+short flags of earlier releases as aliases, and reads a run file (`--config run.yaml`), which flags override.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from peft import LoraConfig
+from transformers import HfArgumentParser
+
+from optimum_pact.backends.options import check_backend_choice
+from optimum_pact.errors import OptionError
+from peft_ext import PactConfig
+from peft_ext.options import PactOptions
+from trainer_callbacks import PactTrainingArguments
+
+# LoRA's own fields that `pact finetune` exposes, with peft's types and help texts (not declared again here)
+LORA_FIELDS = ("r", "lora_alpha", "lora_dropout", "target_modules")
+# What the main job does when a flag is not given (fields keep their own defaults otherwise).
+MAIN_JOB_DEFAULTS = {
+    "r": 8,
+    "lora_alpha": 16,
+    "target_modules": "all-linear",
+    "learning_rate": 2e-3,
+    "num_train_epochs": 2.0,
+    "per_device_train_batch_size": 8,
+    "warmup_steps": 5,
+    "logging_steps": 5,
+    "seed": 0,
+    "report_to": "none",
+    "save_strategy": "no",
+    "output_dir": None,  # OUTPUT/trainer
+}
+# --background: checkpoint every 20 steps or 10 minutes, keep 2, pace by temperature, resume on re-run
+BACKGROUND_DEFAULTS = {"save_steps": 20, "pact_save_minutes": 10.0, "save_total_limit": 2}
+BACKGROUND_SETTINGS = {"save_strategy": "steps", "pact_resumable": True, "pact_thermal_pacing": True}
+# The flags of earlier releases, kept working as aliases of the options they always set.
+ALIASES = {
+    "--epochs": "num_train_epochs",
+    "--batch-size": "per_device_train_batch_size",
+    "--keep-checkpoints": "save_total_limit",
+    "--save-minutes": "pact_save_minutes",
+    "--memory-saver": "pact_memory_saver",
+    "--offload-dir": "pact_offload_dir",
+    "--subset-k": "pact_subset_k",
+    "--thermal-limit": "pact_thermal_limit_c",
+    "--duty-cycle": "pact_duty_cycle",
+    "--only-while-charging": "pact_only_while_charging",
+    "--min-battery": "pact_min_battery",
+    "--sysfs-root": "pact_sysfs_root",
+}
+
+
+@dataclass
+class FinetuneArguments:
+    """The main job's own options: what it trains on and where it puts the result."""
+
+    model: str | None = field(
+        default=None, metadata={"help": "Model folder or Hub id (default: SmolLM2-135M-Instruct, fetched once)."}
+    )
+    data: str | None = field(
+        default=None, metadata={"help": "JSONL file of {'text': ..., 'label': ...} items (default: built-in notes)."}
+    )
+    output: str = field(
+        default="pact-output",
+        metadata={"help": "Folder for the adapter and summary.json; the Trainer's own files go to OUTPUT/trainer."},
+    )
+    dtype: str = field(
+        default="bfloat16", metadata={"help": "Compute dtype of the base model.", "choices": ["bfloat16", "float32"]}
+    )
+    soc_model: str | None = field(
+        default=None,
+        metadata={"help": "qnn: the Snapdragon SoC id the NPU graphs are compiled for (backend_options soc_model)."},
+    )
+    background: bool = field(
+        default=False,
+        metadata={
+            "help": "Run as a background job: thermal pacing, atomic checkpoints ("
+            + ", ".join(f"{k} {v:g}" for k, v in BACKGROUND_DEFAULTS.items())
+            + " unless given), SIGTERM/SIGINT saves and stops, and the same command continues where it stopped. "
+            "One run per output folder (a lock file)."
+        },
+    )
+    config: str | None = field(
+        default=None,
+        metadata={
+            "help": "Run file (.yaml, .yml, .json): option names (the long flags without dashes) and values. Flags "
+            "given on the command line override it."
+        },
+    )
+
+
+def _lora_arguments() -> type:
+    """A dataclass of LoraConfig's `LORA_FIELDS`, with peft's own types, defaults and help texts."""
+    hints = typing.get_type_hints(LoraConfig)
+    fields = {f.name: f for f in dataclasses.fields(LoraConfig)}
+    spec = []
+    for name in LORA_FIELDS:
+        upstream = fields[name]
+        default = upstream.default if upstream.default is not dataclasses.MISSING else upstream.default_factory()
+        kind = hints[name]
+        if str in typing.get_args(kind):  # target_modules: a list or a string; on the command line, one string
+            kind = str | None
+        spec.append((name, kind, field(default=default, metadata=dict(upstream.metadata))))
+    return dataclasses.make_dataclass("LoraArguments", spec)
+
+
+LoraArguments = _lora_arguments()
+DATACLASSES = (FinetuneArguments, LoraArguments, PactOptions, PactTrainingArguments)
+
+
+@dataclass
+class FinetuneRun:
+    """A parsed `pact finetune` command: the job, the PactConfig it trains with, and the Trainer's arguments."""
+
+    job: FinetuneArguments
+    config: PactConfig
+    args: PactTrainingArguments
+
+
+def build_parser() -> HfArgumentParser:
+    parser = HfArgumentParser(DATACLASSES, prog="pact finetune", description="LoRA fine-tune with an NVFP4 base.")
+    parser.set_defaults(**MAIN_JOB_DEFAULTS, use_cpu=not torch.cuda.is_available())
+    # argparse has no public way to give an existing option another name; these two structures are the ones
+    # `add_argument` itself fills (tests/test_cli.py fails loudly if argparse changes them)
+    actions = {action.dest: action for action in parser._actions}
+    for alias, dest in ALIASES.items():
+        actions[dest].option_strings.append(alias)
+        parser._option_string_actions[alias] = actions[dest]
+    return parser
+
+
+def read_run_file(path: str, parser: HfArgumentParser) -> dict:
+    """The options in a .yaml/.yml/.json run file, keyed by option name; unknown names are an error."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise OptionError("config", f"config={path!r}: no such file; pass a .yaml, .yml or .json run file.")
+    text = file.read_text()
+    try:
+        if file.suffix.lower() in (".yaml", ".yml"):
+            import yaml
+
+            values = yaml.safe_load(text)
+        elif file.suffix.lower() == ".json":
+            values = json.loads(text)
+        else:
+            raise OptionError("config", f"config={path!r}: the run file must end in .yaml, .yml or .json.")
+    except (ValueError, ImportError) as err:
+        if isinstance(err, OptionError):
+            raise
+        raise OptionError("config", f"config={path!r} could not be read: {err}") from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise OptionError("config", f"config={path!r} must hold a mapping of option: value, not a {type(values)}.")
+    known = {action.dest for action in parser._actions}
+    out = {}
+    for key, value in values.items():
+        name = str(key).lstrip("-").replace("-", "_")
+        if name not in known or name == "config":
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise OptionError("config", f"{path}: {key!r} is not a pact finetune option.{hint}")
+        out[name] = value
+    return out
+
+
+def typed_options(parser: HfArgumentParser, argv: list[str]) -> dict[str, str]:
+    """Option name -> the flag the user typed for it."""
+    typed = {}
+    for token in argv:
+        if token.startswith("--"):
+            action = parser._option_string_actions.get(token.split("=", 1)[0])
+            if action is not None:
+                typed[action.dest] = token.split("=", 1)[0]
+    return typed
+
+
+def parse_finetune_args(argv: list[str], spelled: dict[str, str] | None = None) -> FinetuneRun:
+    """Parse a `pact finetune` command line. `spelled`, when given, is filled with how the user wrote each option
+    they gave (a flag, or `FILE: key`), so an error raised while the options are checked can point at it.
+
+    Precedence: command-line flags, then the run file (`--config`), then the main job's defaults, then the
+    dataclasses' own defaults. argparse reports malformed flags itself (exit 2).
+    """
+    parser = build_parser()
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    config_path = pre.parse_known_args(argv)[0].config
+    spelled = {} if spelled is None else spelled
+    spelled.update(typed_options(parser, argv))
+    if config_path is not None:
+        spelled["config"] = "--config"
+        from_file = read_run_file(config_path, parser)
+        parser.set_defaults(**from_file)
+        spelled.update({name: f"{config_path}: {name}" for name in from_file if name not in spelled})
+    values = vars(parser.parse_args(argv))
+    given = set(spelled)
+    if values["soc_model"] is not None:
+        options = check_backend_choice(values["backend"], values["backend_options"]) or {}
+        values["backend_options"] = {**options, "soc_model": values["soc_model"]}
+    if values["output_dir"] is None:
+        values["output_dir"] = str(Path(values["output"]) / "trainer")
+    if values["background"]:
+        values.update({k: v for k, v in BACKGROUND_DEFAULTS.items() if k not in given})
+        values.update({k: v for k, v in BACKGROUND_SETTINGS.items() if k not in given})
+    elif "save_strategy" not in given:
+        for name in BACKGROUND_DEFAULTS:
+            if name in given:
+                raise OptionError(
+                    name,
+                    f"{name}={values[name]!r} sets checkpointing, which the main job does only with --background "
+                    "(or --save_strategy steps); add one of them or drop it.",
+                )
+    job, lora, pact, args = parser.parse_dict(values)
+    config = PactConfig(**dataclasses.asdict(lora), **dataclasses.asdict(pact))
+    return FinetuneRun(job, config, args)
+
+
+__all__ = ["FinetuneArguments", "FinetuneRun", "LoraArguments", "build_parser", "parse_finetune_args"]

@@ -1,0 +1,121 @@
+"""The main job's summary: what `pact finetune` prints, writes to summary.json and puts on the model card."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from trainer_callbacks.model_card import write_model_card
+
+from .default_model import DEFAULT_MODEL_HUB_ID, DEFAULT_MODEL_NOTE
+
+
+@dataclass
+class FinetuneSummary:
+    model: str
+    train_items: int
+    heldout_items: int
+    accuracy_before: float
+    accuracy_after: float
+    final_loss: float
+    steps: int
+    steps_per_second: float
+    train_seconds: float
+    peak_rss_gib: float
+    frozen_linears: int
+    backend: str
+    adapter_dir: str
+    products: dict[str, int] | None = None  # frozen-weight products run in training, per backend
+    fp16_linears: int = 0  # linears the precision plan kept 16-bit
+    memory_saver: str = "none"  # PactTrainingArguments.pact_memory_saver
+    guarded_rows: int = 0  # rows the FP16 range guard scaled down (NPU)
+    background: dict | None = None  # background mode only: resume point, pauses, checkpoints
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        if out["background"] is None:
+            del out["background"]
+        return out
+
+    def _linears(self) -> str:
+        fp16 = f" ({self.fp16_linears} kept 16-bit: precision plan, AQLoRA)" if self.fp16_linears else ""
+        return f"{self.frozen_linears} NVFP4-base linears{fp16} on the {self.backend} backend"
+
+    def _products(self) -> str:
+        counts = {name: n for name, n in (self.products or {}).items() if n}
+        total = sum(counts.values())
+        if len(counts) == 1:
+            (name,) = counts
+            text = f"{total} in training, all on {name}"
+        else:
+            text = f"{total} in training: " + ", ".join(f"{n} on {name}" for name, n in sorted(counts.items()))
+        return text + (f"; {self.guarded_rows} rows range-guarded" if self.guarded_rows else "")
+
+    def _savers(self) -> str:
+        return "" if self.memory_saver == "none" else f" (memory savers: {self.memory_saver})"
+
+    def render(self) -> str:
+        rows = [
+            ("model", self.model),
+            ("data", f"{self.train_items} train / {self.heldout_items} held-out items"),
+            ("held-out accuracy", f"{self.accuracy_before:.1%} -> {self.accuracy_after:.1%}"),
+            ("final training loss", f"{self.final_loss:.4f}"),
+            ("steps", f"{self.steps} in {self.train_seconds:.1f} s ({self.steps_per_second:.2f} steps/s)"),
+            ("peak memory (RSS)", f"{self.peak_rss_gib:.2f} GiB" + self._savers()),
+            ("frozen linears", self._linears()),
+            ("frozen-weight products", self._products()),
+            ("adapter", self.adapter_dir),
+        ]
+        if self.background is not None:
+            b = self.background
+            rows.insert(-1, ("resumed from step", str(b["resumed_from_step"])))
+            if "pact_duty_cycle" in b:
+                pauses = ", ".join(f"{b[f'pact_pauses_{k}']} {k}" for k in ("thermal", "power", "battery"))
+                rows.insert(-1, ("pacing", f"{pauses} pauses, duty cycle {b['pact_duty_cycle']:.0%}"))
+            if "pact_checkpoint_mib" in b:
+                rows.insert(-1, ("checkpoint size", f"{b['pact_checkpoint_mib']:.2f} MiB ({b['checkpoints']})"))
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(["PACT fine-tune summary"] + [f"  {k:<{width}}  {v}" for k, v in rows])
+
+
+def _card_value(value):
+    """Long plans and lists shown by their size on the model card (the full values are in pact_config.json)."""
+    if isinstance(value, dict) and len(value) > 4:
+        kinds = {v: list(value.values()).count(v) for v in sorted(set(value.values()))}
+        return ", ".join(f"{n} {kind}" for kind, n in kinds.items()) + " (see pact_config.json)"
+    if isinstance(value, list) and len(value) > 4:
+        return f"{len(value)} modules (see pact_config.json)"
+    return value
+
+
+def write_card(adapter_dir: Path, model: str | None, pact_config, args, summary: FinetuneSummary) -> None:
+    """README.md in the adapter folder: base model, PACT settings and the measured metrics (Hub model card)."""
+    base, note = (DEFAULT_MODEL_HUB_ID, DEFAULT_MODEL_NOTE) if model is None else (model, None)
+    settings = {
+        "LoRA rank (r)": pact_config.r,
+        "lora_alpha": pact_config.lora_alpha,
+        "target_modules": "all-linear",
+        **{f"PactConfig.{k}": _card_value(v) for k, v in pact_config.pact_dict().items()},
+        "frozen NVFP4 linears": summary.frozen_linears,
+        "learning rate": args.learning_rate,
+        "epochs": args.num_train_epochs,
+        "max steps": args.max_steps,
+        "batch size": args.per_device_train_batch_size,
+        "seed": args.seed,
+    }
+    if summary.background is not None:
+        settings["background mode"] = "on (thermal pacing, atomic checkpoints, resume)"
+        settings["thermal limit (C)"] = args.pact_thermal_limit_c or "sensor default (40 skin / 85 CPU)"
+    metrics = {
+        "held-out accuracy before": round(summary.accuracy_before, 4),
+        "held-out accuracy after": round(summary.accuracy_after, 4),
+        "final training loss": round(summary.final_loss, 4),
+        "training items / held-out items": f"{summary.train_items} / {summary.heldout_items}",
+        "steps": summary.steps,
+        "steps per second": round(summary.steps_per_second, 3),
+        "peak memory (RSS, GiB)": round(summary.peak_rss_gib, 3),
+    }
+    for key, value in (summary.background or {}).items():
+        if key.startswith("pact_"):
+            metrics[key] = value
+    write_model_card(adapter_dir, base, settings, metrics, base_model_note=note)
