@@ -13,6 +13,7 @@ adapter lands in `<output_dir>/adapter`: plain PEFT files, `pact_config.json` an
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     before = accuracy(classify(base, tokenizer, texts, labels), golds) if main_process else None
 
     torch.manual_seed(args.seed)
-    pact_config = PactConfig(r=script.r, lora_alpha=script.lora_alpha, target_modules="all-linear")
+    # the model-side --pact_* flags (backend, AQLoRA, ...) are PactConfig's options
+    lora = {"r": script.r, "lora_alpha": script.lora_alpha, "target_modules": "all-linear"}
+    pact_config = PactConfig(**lora, **dataclasses.asdict(args.pact_options()))
     model = get_peft_model(base, pact_config)
     trainer = PactTrainer(
         model=model,

@@ -7,6 +7,8 @@ option (the field name), the value and the fix.
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass, field
 
 from optimum_pact.backends import BACKEND_CHOICES
@@ -75,28 +77,51 @@ class PactOptions:
     )
 
     def __post_init__(self):
-        self.backend_options = check_backend_choice(self.backend, self.backend_options)
-        if self.overlap not in (None, True, False):
-            raise OptionError("overlap", f"overlap={self.overlap!r} must be True, False or None (backend default).")
-        budget = self.precision_budget_mib
-        if budget is not None and (
-            isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0
-        ):
-            raise OptionError("precision_budget_mib", f"precision_budget_mib={budget!r} must be a number of MiB >= 0.")
-        check_protect_fraction(self.protect_fraction, "protect_fraction")
-        check_rank_by(self.rank_by, "rank_by")
-        if self.adapt not in ADAPT_CHOICES:
-            raise OptionError("adapt", f"adapt={self.adapt!r} must be one of {', '.join(map(repr, ADAPT_CHOICES))}.")
-        top = self.adapt_top_blocks
-        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 1):
-            raise OptionError(
-                "adapt_top_blocks", f"adapt_top_blocks={top!r} must be a positive number of blocks or None."
-            )
-        if top is not None and self.adapt != "speed":
-            raise OptionError(
-                "adapt_top_blocks",
-                f"adapt_top_blocks={top} applies to adapt='speed'; set adapt='speed' or drop adapt_top_blocks.",
-            )
+        check_pact_options(self)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
 
 
-__all__ = ["ADAPT_CHOICES", "PactOptions"]
+def check_pact_options(owner, prefix: str = "") -> None:
+    """Check the `PactOptions` fields held by `owner` under `prefix + name` (a PactOptions or PactConfig: no prefix;
+    PactTrainingArguments: "pact_"), naming each option as `owner` declares it. Turns backend_options given as JSON
+    text into a dict."""
+
+    def value(name: str):
+        return getattr(owner, prefix + name)
+
+    def fail(name: str, message: str):
+        raise OptionError(prefix + name, f"{prefix}{name}={value(name)!r} {message}")
+
+    options = check_backend_choice(value("backend"), value("backend_options"), prefix)
+    setattr(owner, prefix + "backend_options", options)
+    if value("overlap") not in (None, True, False):
+        fail("overlap", "must be True, False or None (the backend's default).")
+    budget = value("precision_budget_mib")
+    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0):
+        fail("precision_budget_mib", "must be a number of MiB >= 0.")
+    check_protect_fraction(value("protect_fraction"), prefix + "protect_fraction")
+    check_rank_by(value("rank_by"), prefix + "rank_by")
+    if value("adapt") not in ADAPT_CHOICES:
+        fail("adapt", f"must be one of {', '.join(map(repr, ADAPT_CHOICES))}.")
+    top = value("adapt_top_blocks")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 1):
+        fail("adapt_top_blocks", "must be a positive number of blocks or None.")
+    if top is not None and value("adapt") != "speed":
+        fail("adapt_top_blocks", f"applies to {prefix}adapt='speed'; set it or drop {prefix}adapt_top_blocks.")
+
+
+def prefixed_options(prefix: str, name: str) -> type:
+    """A dataclass of the `PactOptions` fields renamed `prefix + name`, with the same types, defaults and help, for
+    a dataclass that mixes them with other options (PactTrainingArguments). Check it with `check_pact_options`."""
+    hints = typing.get_type_hints(PactOptions)
+    spec = [
+        (prefix + f.name, hints[f.name], field(default=f.default, metadata=dict(f.metadata)))
+        for f in dataclasses.fields(PactOptions)
+    ]
+    return dataclasses.make_dataclass(name, spec)
+
+
+__all__ = ["ADAPT_CHOICES", "PactOptions", "check_pact_options", "prefixed_options"]

@@ -1,5 +1,6 @@
 """`pact finetune`: clear errors for bad input, and (slow) the main job end to end on the real model."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -7,8 +8,10 @@ import sys
 import pytest
 
 from optimum_pact.backends.qnn import is_qnn_available
-from optimum_pact.commands.arguments import build_parser, parse_finetune_args
+from optimum_pact.commands.arguments import DATACLASSES, build_parser, parse_finetune_args
 from optimum_pact.commands.cli import main
+from peft_ext import PactConfig, PactOptions
+from trainer_callbacks import PactTrainingArguments
 
 
 def test_missing_model_path_is_a_clear_error(capsys):
@@ -116,7 +119,7 @@ def test_main_job_with_aqlora_speed(small_model, tmp_path):
 
 def test_bad_aqlora_option_is_a_clear_cli_error(capsys):
     assert main(["finetune", "--protect-fraction", "1.5"]) == 2
-    assert "--protect-fraction: protect_fraction=1.5 is outside the valid range [0, 1]" in capsys.readouterr().err
+    assert "--protect-fraction: pact_protect_fraction=1.5 is outside the valid range [0, 1]" in capsys.readouterr().err
 
 
 def test_main_job_with_memory_savers(small_model, tmp_path, capsys):
@@ -213,13 +216,13 @@ def test_aliases_use_argparse_the_way_add_argument_does():
 
 def test_run_file_sets_options_and_flags_override_it(tmp_path):
     run_file = tmp_path / "run.yaml"
-    run_file.write_text("learning_rate: 0.01\nmax_steps: 3\nprotect_fraction: 0.1\npact_memory_saver: exact\n")
+    run_file.write_text("learning_rate: 0.01\nmax_steps: 3\npact_protect_fraction: 0.1\npact_memory_saver: exact\n")
     spelled = {}
     run = parse_finetune_args(["--config", str(run_file), "--max_steps", "5"], spelled)
     assert run.args.learning_rate == 0.01 and run.args.max_steps == 5 and run.config.protect_fraction == 0.1
     assert run.args.pact_memory_saver == "exact" and spelled["learning_rate"] == f"{run_file}: learning_rate"
     as_json = tmp_path / "run.json"
-    as_json.write_text(json.dumps({"backend": "auto", "r": 4}))
+    as_json.write_text(json.dumps({"pact_backend": "auto", "r": 4}))
     run = parse_finetune_args(["--config", str(as_json)])
     assert run.config.backend == "auto" and run.config.r == 4
 
@@ -242,7 +245,11 @@ def test_main_job_from_a_run_file_with_any_trainer_option(small_model, tmp_path)
     [
         (["--warmup_steps", "-1"], None, ["warmup_steps = -1"]),
         (["--min-battery", "150", "--background"], None, ["--min-battery: pact_min_battery=150"]),
-        (["--backend_options", "{soc"], None, ["--backend_options: backend_options='{soc' is not valid JSON"]),
+        (
+            ["--pact_backend_options", "{soc"],
+            None,
+            ["--pact_backend_options: pact_backend_options='{soc' is not valid"],
+        ),
         ([], "lerning_rate: 0.1\n", ["run.yaml: 'lerning_rate' is not a pact finetune option", "learning_rate"]),
         ([], "pact_duty_cycle: 0\n", ["run.yaml: pact_duty_cycle: pact_duty_cycle=0 must be in (0, 1]"]),
         ([], "- a list\n", ["must hold a mapping"]),
@@ -265,3 +272,24 @@ def test_a_malformed_flag_is_argparses_error_naming_the_flag_as_typed(capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "--epochs" in err and "invalid float value: 'two'" in err and "Traceback" not in err
+
+
+def test_no_option_is_declared_twice():
+    # pact finetune parses these dataclasses; a name twice (or once with and once without the pact_ prefix) would be
+    # one option declared in two places
+    names = [f.name for cls in DATACLASSES for f in dataclasses.fields(cls)]
+    assert len(names) == len(set(names))
+    unprefixed = [name.removeprefix("pact_") for name in names]
+    assert sorted({n for n in unprefixed if unprefixed.count(n) > 1}) == []
+    # PactConfig's PACT fields are PactOptions' (+ what get_peft_model writes back) and PactTrainingArguments' are
+    # the same fields prefixed: one declaration
+    options = {f.name: f for f in dataclasses.fields(PactOptions)}
+    config = {f.name: f for f in dataclasses.fields(PactConfig) if f.name in options}
+    args = {
+        f.name.removeprefix("pact_"): f
+        for f in dataclasses.fields(PactTrainingArguments)
+        if f.name.startswith("pact_")
+    }
+    for name, declared in options.items():
+        for copy in (config[name], args[name]):
+            assert (copy.default, copy.metadata["help"]) == (declared.default, declared.metadata["help"])

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 from pathlib import Path
 
 import torch
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer, TrainerCallback, default_data_collator
 
 from optimum_pact.dataflow import FrozenLinear
 from optimum_pact.memory import MemorySavers, OffloadError, check_subset_k
+from peft_ext.conversion import apply_pact_options
 
 from .resources import ResourceReportCallback
 from .resumable import ResumableExecutionCallback
 from .thermal import ThermalPacingCallback
-from .training_args import PactTrainingArguments
+from .training_args import MODEL_PREFIX, PactTrainingArguments
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,8 @@ class PactTrainer(Trainer):
     """
 
     def __init__(self, model=None, args: PactTrainingArguments | None = None, *pargs, **kwargs):
+        if isinstance(args, PactTrainingArguments) and model is not None:
+            model = self._apply_model_options(model, args, pargs, kwargs)
         super().__init__(model, args, *pargs, **kwargs)
         if model is not None and not any(isinstance(m, FrozenLinear) for m in model.modules()):
             logger.warning("PactTrainer: the model has no FrozenLinear; apply PactConfig with get_peft_model first.")
@@ -61,6 +65,20 @@ class PactTrainer(Trainer):
                 )
             if self.args.resumable_enabled:  # after the pacer: a signal during a pause is seen at that step's end
                 self.add_callback(ResumableExecutionCallback(save_every_minutes=self.args.pact_save_minutes))
+
+    @staticmethod
+    def _apply_model_options(model, args: PactTrainingArguments, pargs: tuple, kwargs: dict):
+        """The model-side `pact_` options applied to `model` (peft_ext.conversion), before the Trainer sees it."""
+        given = args.pact_options_set()
+        batch = None
+        if args.pact_precision_budget_mib is not None:  # a calibration batch: the first of the training data
+            bound = inspect.signature(Trainer.__init__).bind_partial(None, model, args, *pargs, **kwargs).arguments
+            data, collate = bound.get("train_dataset"), bound.get("data_collator") or default_data_collator
+            if data is None:
+                raise ValueError("pact_precision_budget_mib needs a train_dataset to calibrate on.")
+            batch = collate([data[i] for i in range(min(len(data), args.per_device_train_batch_size))])
+        convert = bool(given) or args.pact_nvfp4_base
+        return apply_pact_options(model, args.pact_options(), given, convert, MODEL_PREFIX, batch)
 
     def callback(self, kind: type) -> TrainerCallback | None:
         """The registered callback of type `kind`, or None (looked up each time: a resume may replace it)."""

@@ -9,10 +9,14 @@ from transformers import TrainingArguments
 
 from optimum_pact.errors import OptionError
 from optimum_pact.memory import MEMORY_SAVER_PRESETS, check_subset_k
+from peft_ext.options import PactOptions, check_pact_options, prefixed_options
 
 from .thermal import check_pacing_options
 
 MEMORY_SAVERS = tuple(MEMORY_SAVER_PRESETS)  # none, exact, full
+MODEL_PREFIX = "pact_"
+# PactOptions' fields (backend, AQLoRA, precision budget) as `pact_<name>`: declared once, in PactOptions
+PactModelArguments = prefixed_options(MODEL_PREFIX, "PactModelArguments")
 
 
 def check_memory_saver_options(
@@ -49,8 +53,12 @@ def check_memory_saver_options(
 
 
 @dataclass
-class PactTrainingArguments(TrainingArguments):
-    """`TrainingArguments` plus PACT options (all prefixed `pact_`); parse them with `HfArgumentParser` as usual."""
+class PactTrainingArguments(TrainingArguments, PactModelArguments):
+    """`TrainingArguments` plus PACT options (all prefixed `pact_`); parse them with `HfArgumentParser` as usual.
+
+    The model-side options are `PactOptions`' fields with the prefix (`pact_backend`, `pact_protect_fraction`, ...):
+    `PactTrainer` applies them to a bare or plain-LoRA model, and checks that a `PactConfig` model agrees.
+    """
 
     ddp_broadcast_buffers: bool | None = field(  # TrainingArguments' field, PACT's default
         default=False,
@@ -60,6 +68,13 @@ class PactTrainingArguments(TrainingArguments):
         },
     )
 
+    pact_nvfp4_base: bool = field(
+        default=False,
+        metadata={
+            "help": "Put the frozen linears of a model not built with PactConfig (bare, or with plain peft LoRA) on "
+            "an NVFP4 base behind pact_backend before training. Setting any other model-side pact_ option does too."
+        },
+    )
     pact_num_threads: int | None = field(
         default=None,
         metadata={"help": "CPU threads torch uses while training (torch.set_num_threads); None keeps the default."},
@@ -153,6 +168,7 @@ class PactTrainingArguments(TrainingArguments):
 
     def __post_init__(self):
         super().__post_init__()
+        check_pact_options(self, MODEL_PREFIX)
         self._check_memory_saver_options()
         if self.pact_num_threads is not None and (
             isinstance(self.pact_num_threads, bool)
@@ -234,6 +250,19 @@ class PactTrainingArguments(TrainingArguments):
                 f"pact_memory_saver={self.pact_memory_saver!r} checkpoints the decoder blocks itself; set "
                 "activation_checkpointing=False (or pact_memory_saver='none' to use transformers' checkpointing).",
             )
+
+    def pact_options(self) -> PactOptions:
+        """The model-side options as a `PactOptions` (what `PactConfig` takes)."""
+        return PactOptions(**{name: getattr(self, MODEL_PREFIX + name) for name in PactOptions.names()})
+
+    def pact_options_set(self) -> dict:
+        """The model-side options given a value other than their default, by their `PactOptions` name."""
+        defaults = PactOptions()
+        return {
+            name: getattr(self, MODEL_PREFIX + name)
+            for name in PactOptions.names()
+            if getattr(self, MODEL_PREFIX + name) != getattr(defaults, name)
+        }
 
     @property
     def memory_savers_enabled(self) -> bool:

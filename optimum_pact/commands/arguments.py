@@ -1,9 +1,10 @@
 """`pact finetune`'s options: the main job's own dataclass beside the library's, parsed by `HfArgumentParser`.
 
 Every option is declared once, in its dataclass: `FinetuneArguments` (what to train on, where the result goes),
-peft's `LoraConfig` (the LoRA fields below), `PactOptions` (backend, AQLoRA, precision) and `PactTrainingArguments`
-(every Trainer option and PACT's training options). This module only chooses the main job's defaults, keeps the
-short flags of earlier releases as aliases, and reads a run file (`--config run.yaml`), which flags override.
+peft's `LoraConfig` (the LoRA fields below) and `PactTrainingArguments` (every Trainer option and PACT's, the
+model-side ones being `PactOptions`' fields as `pact_<name>`). This module only chooses the main job's defaults,
+keeps the short flags of earlier releases as aliases, and reads a run file (`--config run.yaml`), which flags
+override.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from transformers import HfArgumentParser
 from optimum_pact.backends.options import check_backend_choice
 from optimum_pact.errors import OptionError
 from peft_ext import PactConfig
-from peft_ext.options import PactOptions
 from trainer_callbacks import PactTrainingArguments
 
 # LoRA's own fields that `pact finetune` exposes, with peft's types and help texts (not declared again here)
@@ -48,6 +48,12 @@ BACKGROUND_DEFAULTS = {"save_steps": 20, "pact_save_minutes": 10.0, "save_total_
 BACKGROUND_SETTINGS = {"save_strategy": "steps", "pact_resumable": True, "pact_thermal_pacing": True}
 # The flags of earlier releases, kept working as aliases of the options they always set.
 ALIASES = {
+    "--backend": "pact_backend",
+    "--precision-budget-mib": "pact_precision_budget_mib",
+    "--protect-fraction": "pact_protect_fraction",
+    "--rank-by": "pact_rank_by",
+    "--adapt": "pact_adapt",
+    "--adapt-top-blocks": "pact_adapt_top_blocks",
     "--epochs": "num_train_epochs",
     "--batch-size": "per_device_train_batch_size",
     "--keep-checkpoints": "save_total_limit",
@@ -82,7 +88,9 @@ class FinetuneArguments:
     )
     soc_model: str | None = field(
         default=None,
-        metadata={"help": "qnn: the Snapdragon SoC id the NPU graphs are compiled for (backend_options soc_model)."},
+        metadata={
+            "help": "qnn: the Snapdragon SoC id the NPU graphs are compiled for (pact_backend_options soc_model)."
+        },
     )
     background: bool = field(
         default=False,
@@ -118,7 +126,7 @@ def _lora_arguments() -> type:
 
 
 LoraArguments = _lora_arguments()
-DATACLASSES = (FinetuneArguments, LoraArguments, PactOptions, PactTrainingArguments)
+DATACLASSES = (FinetuneArguments, LoraArguments, PactTrainingArguments)
 
 
 @dataclass
@@ -209,8 +217,8 @@ def parse_finetune_args(argv: list[str], spelled: dict[str, str] | None = None) 
     values = vars(parser.parse_args(argv))
     given = set(spelled)
     if values["soc_model"] is not None:
-        options = check_backend_choice(values["backend"], values["backend_options"]) or {}
-        values["backend_options"] = {**options, "soc_model": values["soc_model"]}
+        options = check_backend_choice(values["pact_backend"], values["pact_backend_options"], "pact_") or {}
+        values["pact_backend_options"] = {**options, "soc_model": values["soc_model"]}
     if values["output_dir"] is None:
         values["output_dir"] = str(Path(values["output"]) / "trainer")
     if values["background"]:
@@ -224,8 +232,8 @@ def parse_finetune_args(argv: list[str], spelled: dict[str, str] | None = None) 
                     f"{name}={values[name]!r} sets checkpointing, which the main job does only with --background "
                     "(or --save_strategy steps); add one of them or drop it.",
                 )
-    job, lora, pact, args = parser.parse_dict(values)
-    config = PactConfig(**dataclasses.asdict(lora), **dataclasses.asdict(pact))
+    job, lora, args = parser.parse_dict(values)
+    config = PactConfig(**dataclasses.asdict(lora), **dataclasses.asdict(args.pact_options()))
     return FinetuneRun(job, config, args)
 
 
