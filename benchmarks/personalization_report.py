@@ -32,14 +32,17 @@ def summarize(results: dict) -> None:
         rows = {}
         for method in methods:
             runs = [u["methods"][method] for u in users]
+            train_s = _mean(r.get("train_s") for r in runs)
+            if method == "shared" and train_s is not None:
+                train_s /= len(runs)  # one adapter trained once on all users' data: its time per user
             rows[method] = {
                 "accuracy": _mean(r["accuracy"] for r in runs),
                 "macro_f1": _mean(r["f1"] for r in runs),
                 "pooled_accuracy": _mean(p == g for u in users for p, g in zip(u["methods"][method]["predictions"],
                                                                                u["golds"])),
-                "train_s": _mean(r.get("train_s") for r in runs),
+                "train_s": train_s,
                 "steps": _mean(r.get("steps") for r in runs),
-                "peak_gib": memory.get("pact" if method == "shared" else method, {}).get("peak_gib"),
+                "peak_gib": memory.get(method, {}).get("peak_gib"),  # not measured for "shared": shown as "-"
                 "users": len(runs),
             }  # fmt: skip
         summary[name] = rows

@@ -1,7 +1,9 @@
 """The `pact` quantization method for `transformers`: NVFP4 frozen linears, quantized while loading.
 
 Importing this module registers `PactQuantizationConfig` and `PactHfQuantizer` under the quant method `"pact"`
-(through transformers' public `register_quantization_config` / `register_quantizer`) and does nothing else.
+(through transformers' public `register_quantization_config` / `register_quantizer`) and wraps
+`AutoHfQuantizer.merge_quantization_configs` so that options passed when reloading a pact checkpoint are applied
+(see below); it does nothing else.
 
 * `from_pretrained(path, quantization_config=PactQuantizationConfig())` on a full-precision checkpoint swaps every
   eligible `nn.Linear` of the meta-device skeleton for a `FrozenLinear` before any weight is read. Transformers'
@@ -11,6 +13,13 @@ Importing this module registers `PactQuantizationConfig` and `PactHfQuantizer` u
 * `save_pretrained` writes the `FrozenLinear` buffers as they are (the ModelOpt NVFP4 layout: `weight` uint8,
   `weight_scale` F8_E4M3, `weight_scale_2` F32) with `quantization_config = {"quant_method": "pact", ...}` in
   config.json; `from_pretrained(dir)` rebuilds the same skeleton and copies the packed tensors in, without quantizing.
+* Nothing loads as garbage: before any weight is read, the checkpoint's safetensors headers are checked (every
+  packed tensor of a layer there, with its dtype and shape; no packed tensor of a layer kept in full precision), and
+  after loading every `FrozenLinear` tensor must have come from the checkpoint, fit, and hold sane scales
+  (`FrozenLinear.weight_problems`). Otherwise loading fails with a ValueError naming every such tensor.
+* `from_pretrained(dir, quantization_config=PactQuantizationConfig(...))` loads the saved layout with the passed
+  runtime options (`backend`, `backend_options`); a passed `modules_to_not_convert` other than the saved one is
+  refused (`merge_pact_configs`). Transformers alone would keep the saved config and drop the passed one.
 
 Kept in full precision: `lm_head` (and whatever else transformers' `get_keys_to_not_convert` finds: tied and output
 embeddings), `modules_to_not_convert`, `_keep_in_fp32_modules`, and every linear whose `in_features` is not a
@@ -19,10 +28,13 @@ multiple of 16 (named once in the log).
 
 from __future__ import annotations
 
+import copy
 import logging
+import os
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 # The one place that touches transformers' loading internals. On-the-fly quantization in transformers 5.x:
@@ -31,20 +43,44 @@ from torch import nn
 # `{full_name: tensor}` for every tensor to set on the model. `should_convert_module` gives `modules_to_not_convert`
 # the same matching rules as the built-in quantizers. tests/test_quantizer.py::test_transformers_loading_contract
 # fails loudly if this contract changes.
+# Reloading (tests/test_loading.py::test_transformers_reload_contract guards these three):
+# * `from_pretrained` passes `checkpoint_files` (the resolved local files) to `_process_model_before_weight_loading`.
+# * The loader marks each tensor it sets from the checkpoint with the attribute `LOADED_FLAG` (its own record of what
+#   not to initialize); a key missing from the checkpoint gets an uninitialized tensor without it. No quantizer hook
+#   is told the missing keys.
+# * `get_hf_quantizer` merges a passed quantization_config with the saved one in
+#   `AutoHfQuantizer.merge_quantization_configs`, which keeps the saved config of a non-builtin method whole.
 from transformers.core_model_loading import ConversionOps
-from transformers.quantizers import HfQuantizer, register_quantization_config, register_quantizer
+from transformers.quantizers import AutoHfQuantizer, HfQuantizer, register_quantization_config, register_quantizer
 from transformers.quantizers.quantizers_utils import should_convert_module
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .backends import Backend, get_backend
 from .backends.options import check_backend_choice
-from .dataflow.linear import FrozenLinear
+from .dataflow.linear import PACKED_NAMES, FrozenLinear
 from .nvfp4 import BLOCK_SIZE, quantize
 
 logger = logging.getLogger(__name__)
 
+LOADED_FLAG = "_is_hf_initialized"
+
+
+def _loaded_by_transformers(tensor: torch.Tensor) -> bool:
+    """Whether transformers' loader set `tensor` from the checkpoint (False for a missing key's placeholder)."""
+    return bool(getattr(tensor, LOADED_FLAG, False))
+
+
 QUANT_METHOD = "pact"
 _FIELDS = ("backend", "backend_options", "modules_to_not_convert")
+_LOADING_FIELDS = ("backend", "backend_options")  # what a reload may change: how layers compute, not what they hold
+# safetensors' names of the dtypes a FrozenLinear holds
+_SAFETENSORS_DTYPES = {
+    torch.uint8: "U8",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+}
 
 
 @register_quantization_config(QUANT_METHOD)
@@ -99,6 +135,55 @@ class PactQuantizationConfig(QuantizationConfigMixin):
                 "module-name strings, e.g. ['lm_head', 'mlp.down_proj']."
             )
 
+    def get_loading_attributes(self) -> dict[str, Any]:
+        """The fields that `from_pretrained(pact_checkpoint, quantization_config=self)` applies over the saved ones:
+        the runtime options. `modules_to_not_convert` is not one: it fixed which layers the checkpoint holds packed."""
+        return {name: copy.deepcopy(getattr(self, name)) for name in _LOADING_FIELDS}
+
+
+def merge_pact_configs(saved: PactQuantizationConfig, passed: PactQuantizationConfig) -> PactQuantizationConfig:
+    """The config a saved pact checkpoint loads with when `from_pretrained` also got `quantization_config=passed`:
+    the saved layout with the passed runtime options (`passed.get_loading_attributes()`: backend, backend_options).
+
+    A passed `modules_to_not_convert` (not None) naming other modules than the saved one is a ValueError: the
+    checkpoint holds those layers packed or not, and loading cannot change that.
+    """
+    requested, kept = passed.modules_to_not_convert, saved.modules_to_not_convert
+    if requested is not None and set(requested) != set(kept or []):
+        raise ValueError(
+            f"from_pretrained got PactQuantizationConfig(modules_to_not_convert={requested!r}) for a pact "
+            f"checkpoint saved with modules_to_not_convert={kept!r}. Which layers a checkpoint holds in NVFP4 is "
+            "fixed when it is saved, so loading cannot change it: pass modules_to_not_convert=None (or the saved "
+            "list) to load it, or quantize the full-precision checkpoint again with the new list. backend and "
+            "backend_options may change at load."
+        )
+    merged = PactQuantizationConfig(**{**saved.to_dict(), **passed.get_loading_attributes()})
+    changed = {
+        name: getattr(merged, name) for name in _LOADING_FIELDS if getattr(merged, name) != getattr(saved, name)
+    }
+    if changed:
+        logger.info("optimum-pact: loading the pact checkpoint with the passed %s (saved: %s).", changed, saved)
+    return merged
+
+
+_current_merge = AutoHfQuantizer.merge_quantization_configs.__func__
+_upstream_merge = getattr(_current_merge, "_pact_upstream", _current_merge)  # this module imported again: wrap once
+
+
+def _merge_configs(cls, quantization_config, quantization_config_from_args):
+    """`AutoHfQuantizer.merge_quantization_configs`, except that a saved pact config and a passed one merge through
+    `merge_pact_configs` (transformers would keep the saved one and drop the passed options with a warning)."""
+    saved = quantization_config
+    if isinstance(saved, dict) and saved.get("quant_method") == QUANT_METHOD:
+        saved = PactQuantizationConfig.from_dict(saved)
+    if isinstance(saved, PactQuantizationConfig) and isinstance(quantization_config_from_args, PactQuantizationConfig):
+        return merge_pact_configs(saved, quantization_config_from_args)
+    return _upstream_merge(cls, quantization_config, quantization_config_from_args)
+
+
+_merge_configs._pact_upstream = _upstream_merge
+AutoHfQuantizer.merge_quantization_configs = classmethod(_merge_configs)
+
 
 class PactQuantize(ConversionOps):
     """Loading op: quantize each full-precision `<module>.weight` of a `FrozenLinear` into its three NVFP4 tensors."""
@@ -124,6 +209,15 @@ class PactQuantize(ConversionOps):
             output[f"{stem}weight_scale"] = packed.scale
             output[f"{stem}weight_scale_2"] = packed.scale_2
         return output
+
+
+def _module_of(path: str, modules: dict[str, nn.Module], prefix: str) -> str | None:
+    """The name in `modules` of the module a checkpoint names `path`: as is, or with the base model's `prefix`
+    added or removed (a base model loads its task model's checkpoint and back); None if there is none."""
+    candidates = [path]
+    if prefix:
+        candidates += [f"{prefix}.{path}" if path else prefix, path.removeprefix(f"{prefix}.")]
+    return next((name for name in candidates if name in modules), None)
 
 
 def replace_with_frozen_linear(
@@ -160,6 +254,9 @@ class PactHfQuantizer(HfQuantizer):
         self.converted: list[str] = []
         self.skipped: list[str] = []
         self.backend: Backend | None = None  # the loaded model's one backend, built in validate_environment
+        # FrozenLinear tensors the checkpoint's safetensors headers hold: model name -> (key in the file, dtype, shape)
+        self._stored: dict[str, tuple[str, str, list[int]]] = {}
+        self._checkpoint_dir: str | None = None
 
     def validate_environment(self, *args, **kwargs) -> None:
         config = self.quantization_config
@@ -171,7 +268,7 @@ class PactHfQuantizer(HfQuantizer):
         prefix, _, name = param_name.rpartition(".")
         return name == "weight" and isinstance(model.get_submodule(prefix), FrozenLinear)
 
-    def _process_model_before_weight_loading(self, model: nn.Module, **kwargs) -> None:
+    def _process_model_before_weight_loading(self, model: nn.Module, checkpoint_files=None, **kwargs) -> None:
         config = self.quantization_config
         self.modules_to_not_convert = self.get_modules_to_not_convert(
             model, config.modules_to_not_convert, model._keep_in_fp32_modules, add_default_skips=True
@@ -189,14 +286,99 @@ class PactHfQuantizer(HfQuantizer):
             )
         if not self.converted:
             logger.warning("optimum-pact: no linear layer of %s was quantized to NVFP4.", type(model).__name__)
+        problems = self._read_checkpoint_headers(model, checkpoint_files or [])
+        if problems:
+            raise self._refusal(problems)
+
+    def _read_checkpoint_headers(self, model: nn.Module, files: list[str]) -> list[str]:
+        """Note which FrozenLinear tensors the safetensors files hold (`self._stored`, from their headers: no tensor
+        is read) and, for a pact checkpoint, return what is wrong with them: a layer with some of its packed tensors
+        but not all, one stored with the wrong dtype or shape, a packed scale of a layer that is not a FrozenLinear.
+
+        A checkpoint key names a module as the model does, or with its `base_model_prefix` added or removed (the
+        loader's own rule); a key that names no module here (e.g. one the model's conversion mapping renames) is
+        left to the check after loading.
+        """
+        files = [str(file) for file in files if str(file).endswith(".safetensors")]
+        if not files:
+            return []
+        self._checkpoint_dir = os.path.dirname(files[0])
+        modules = dict(model.named_modules())
+        prefix = getattr(model, "base_model_prefix", "") or ""
+        problems = []
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    path, _, name = key.rpartition(".")
+                    module_name = _module_of(path, modules, prefix)
+                    if module_name is None:
+                        continue
+                    module = modules[module_name]
+                    if isinstance(module, FrozenLinear) and name in module.layout():
+                        stored = f.get_slice(key)
+                        self._stored[f"{module_name}.{name}"] = (key, stored.get_dtype(), list(stored.get_shape()))
+                    elif self.pre_quantized and name in PACKED_NAMES[1:] and getattr(module, name, None) is None:
+                        what = "a FrozenLinear holding a 16-bit weight" if isinstance(module, FrozenLinear) else None
+                        problems.append(
+                            f"{key}: unexpected, {module_name} is {what or f'a {type(module).__name__}'} (not packed "
+                            "as NVFP4 here), which has no such tensor"
+                        )
+        if not self.pre_quantized:
+            return problems
+        for name in self.converted:
+            layer = modules[name]
+            found = {tensor: self._stored.get(f"{name}.{tensor}") for tensor in layer.layout()}
+            if not any(found.values()):  # not under this name in the file: the check after loading covers it
+                continue
+            for tensor, (dtype, shape) in layer.layout().items():
+                if found[tensor] is None:
+                    problems.append(f"{name}.{tensor}: missing from the checkpoint")
+                    continue
+                key, stored_dtype, stored_shape = found[tensor]
+                expected = _SAFETENSORS_DTYPES.get(dtype, str(dtype))
+                if stored_dtype != expected:
+                    problems.append(f"{key}: stored as {stored_dtype}, must be {expected}")
+                elif stored_shape != list(shape):
+                    problems.append(f"{key}: shape {stored_shape}, must be {list(shape)}")
+        return problems
+
+    def _in_checkpoint(self, layer: str, tensor: str) -> bool:
+        """Whether the checkpoint's headers hold `layer`'s `tensor` (a full-precision checkpoint: its weight)."""
+        return f"{layer}.{tensor if self.pre_quantized else 'weight'}" in self._stored
+
+    def _refusal(self, problems: list[str]) -> ValueError:
+        where = f" {self._checkpoint_dir}" if self._checkpoint_dir else ""
+        if self.pre_quantized:
+            head = f"optimum-pact cannot load the pact checkpoint{where}: its NVFP4 FrozenLinear layers would compute"
+            fix = (
+                "The checkpoint is incomplete or was changed after save_pretrained wrote it: save the model again "
+                "with save_pretrained, or quantize its full-precision checkpoint again (from_pretrained(path, "
+                "quantization_config=PactQuantizationConfig()), then save_pretrained)."
+            )
+        else:
+            head = f"optimum-pact cannot quantize the checkpoint{where}: its NVFP4 FrozenLinear layers would compute"
+            fix = "Every layer quantized while loading needs its full-precision weight: load a complete checkpoint."
+        return ValueError(f"{head} with garbage:\n  - " + "\n  - ".join(problems) + f"\n{fix}")
 
     def _process_model_after_weight_loading(self, model: nn.Module, **kwargs) -> nn.Module:
-        for module in model.modules():
-            if isinstance(module, FrozenLinear):
-                # the loader wraps a loaded bias in a fresh Parameter that requires grad: frozen means frozen
-                if module.bias is not None:
-                    module.bias.requires_grad_(False)
-                module.load_nvfp4(module.nvfp4)  # checks the loaded shapes; drops any backend handle
+        layers = [(name, module) for name, module in model.named_modules() if isinstance(module, FrozenLinear)]
+        problems = []
+        for name, layer in layers:
+            # A tensor counts as loaded when the loader marked it or the checkpoint's header holds it (accelerate's
+            # dispatch may have moved it to another device since, dropping the mark). Not loaded: uninitialized.
+            loaded = {
+                tensor: getattr(layer, tensor)
+                for tensor in layer.layout()
+                if _loaded_by_transformers(getattr(layer, tensor)) or self._in_checkpoint(name, tensor)
+            }
+            problems += layer.weight_problems(loaded, prefix=f"{name}.", source="the checkpoint")
+        if problems:
+            raise self._refusal(problems)
+        for _, layer in layers:
+            # the loader wraps a loaded bias in a fresh Parameter that requires grad: frozen means frozen
+            if layer.bias is not None:
+                layer.bias.requires_grad_(False)
+            layer.load_nvfp4(layer.nvfp4)  # drops any backend handle
         return model
 
     def get_quantize_ops(self) -> PactQuantize:
@@ -231,9 +413,11 @@ class PactHfQuantizer(HfQuantizer):
 
 
 __all__ = [
+    "LOADED_FLAG",
     "QUANT_METHOD",
     "PactHfQuantizer",
     "PactQuantizationConfig",
     "PactQuantize",
+    "merge_pact_configs",
     "replace_with_frozen_linear",
 ]

@@ -9,10 +9,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from peft import LoraConfig
+from peft.utils import CONFIG_NAME
 from torch import nn
 
 from optimum_pact.backends import Backend, get_backend
 from optimum_pact.dataflow import FrozenLinear
+from optimum_pact.errors import OptionError
 from optimum_pact.precision.plan import PRECISIONS, check_plan
 
 from .layer import dispatch_pact
@@ -119,24 +121,104 @@ class PactConfig(LoraConfig, PactOptions):
         os.replace(tmp, target)
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path: str, subfolder: str | None = None, **kwargs) -> PactConfig:
-        """Read `adapter_config.json` and the `pact_config.json` sidecar (PACT defaults where it is absent)."""
+    def from_pretrained(
+        cls,
+        pretrained_model_name_or_path: str,
+        subfolder: str | None = None,
+        *,
+        allow_missing_sidecar: bool = False,
+        **kwargs,
+    ) -> PactConfig:
+        """Read `adapter_config.json` and the `pact_config.json` sidecar beside it (a folder or a Hub repo).
+
+        `PactConfig.save_pretrained` always writes both, so a folder without `pact_config.json` is taken as a PACT
+        adapter that lost it (a partial copy or upload) and raises FileNotFoundError: loading it with PACT's
+        defaults would silently drop its precision plan, AQLoRA's protected modules and speed blocks, and its
+        backend. To load a plain peft LoRA adapter (trained without PACT) with PACT's defaults, pass
+        `allow_missing_sidecar=True`. A damaged (empty, truncated, non-object) `adapter_config.json` or
+        `pact_config.json` raises ValueError naming the file. `kwargs` go to `LoraConfig.from_pretrained` (Hub
+        options such as `revision`, `token`, `cache_dir`).
+        """
+        folder = Path(pretrained_model_name_or_path, subfolder or "")
+        local = folder.is_dir()
+        if (folder / CONFIG_NAME).is_file():
+            _read_json_object(folder / CONFIG_NAME)  # damage named here; peft would say only "Expecting value"
         lora = LoraConfig.from_pretrained(pretrained_model_name_or_path, subfolder=subfolder, **kwargs)
         init_fields = {f.name for f in dataclasses.fields(LoraConfig) if f.init}
         values = {k: v for k, v in lora.__dict__.items() if k in init_fields}
-        sidecar = Path(pretrained_model_name_or_path, subfolder or "", PACT_CONFIG_NAME)
-        if sidecar.is_file():
-            pact = json.loads(sidecar.read_text())
-            tile_size = pact.pop("tile_size", None)  # written by optimum-pact 0.1 as its own field: a torch option now
-            if tile_size is not None:
-                pact["backend_options"] = {**(pact.get("backend_options") or {}), "tile_size": tile_size}
-            unknown = set(pact) - set(cls.pact_field_names())
-            if unknown:
-                raise ValueError(
-                    f"{sidecar} has fields this version of optimum-pact does not know: {sorted(unknown)}. "
-                    "Upgrade optimum-pact or remove them."
-                )
-            values.update(pact)
-            if pact.get("adapt") == "speed":  # PACT derives the adapted blocks itself, quantizing the ones below
-                values["layers_to_transform"], values["layers_pattern"] = None, None
-        return cls(**values)
+        if local:
+            sidecar = folder / PACT_CONFIG_NAME
+        else:
+            sidecar = _download_sidecar(pretrained_model_name_or_path, subfolder, kwargs, allow_missing_sidecar)
+        if sidecar is None or not sidecar.is_file():
+            if allow_missing_sidecar:
+                return cls(**values)
+            where = (
+                folder
+                if local
+                else f"Hub repo {pretrained_model_name_or_path!r}" + (f" ({subfolder})" if subfolder else "")
+            )
+            raise FileNotFoundError(
+                f"{where} has {CONFIG_NAME} but no {PACT_CONFIG_NAME}, the PACT settings PactConfig.save_pretrained "
+                "writes beside it (precision plan, AQLoRA protected modules and speed blocks, backend). Copy "
+                f"{PACT_CONFIG_NAME} from the folder the adapter was saved to; to load a plain peft LoRA adapter "
+                "with PACT's defaults, pass allow_missing_sidecar=True."
+            )
+        pact = _read_json_object(sidecar)
+        tile_size = pact.pop("tile_size", None)  # written by optimum-pact 0.1 as its own field: a torch option now
+        if tile_size is not None:
+            pact["backend_options"] = {**(pact.get("backend_options") or {}), "tile_size": tile_size}
+        unknown = set(pact) - set(cls.pact_field_names())
+        if unknown:
+            raise ValueError(
+                f"{sidecar} has fields this version of optimum-pact does not know: {sorted(unknown)}. "
+                "Upgrade optimum-pact or remove them."
+            )
+        values.update(pact)
+        if pact.get("adapt") == "speed":  # PACT derives the adapted blocks itself, quantizing the ones below
+            values["layers_to_transform"], values["layers_pattern"] = None, None
+        try:
+            return cls(**values)
+        except OptionError as err:
+            raise OptionError(err.option, f"{sidecar}: {err}") from None
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{sidecar}: {err}") from None
+
+
+def _read_json_object(path: Path) -> dict:
+    """The JSON object in config file `path`; ValueError naming the file when it is damaged."""
+    fix = "copy the adapter folder again from where it was saved, or write it again with save_pretrained."
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path} cannot be read ({err}); {fix}") from None
+    if not text.strip():
+        raise ValueError(f"{path} is empty (an interrupted save or copy?); {fix}")
+    try:
+        data = json.loads(text)
+    except ValueError as err:
+        raise ValueError(f"{path} is not valid JSON ({err}): it is damaged or cut short; {fix}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} does not hold a JSON object (it holds a {type(data).__name__}); {fix}")
+    return data
+
+
+def _download_sidecar(repo_id: str, subfolder: str | None, kwargs: dict, allow_missing: bool) -> Path | None:
+    """`pact_config.json` of a Hub adapter, through the Hub cache (None: the repo has none)."""
+    import inspect
+
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+    hub_kwargs = {k: v for k, v in kwargs.items() if k in inspect.signature(hf_hub_download).parameters}
+    try:
+        return Path(hf_hub_download(repo_id, PACT_CONFIG_NAME, subfolder=subfolder, **hub_kwargs))
+    except LocalEntryNotFoundError as err:  # offline and not cached: whether the repo has one is unknown
+        if allow_missing:
+            return None
+        raise FileNotFoundError(
+            f"{PACT_CONFIG_NAME} of {repo_id!r} is not in the Hub cache and the Hub cannot be reached ({err}); "
+            "connect once to download it, or pass allow_missing_sidecar=True for PACT's defaults."
+        ) from None
+    except EntryNotFoundError:
+        return None

@@ -137,3 +137,55 @@ def test_clear_errors():
         get_backend("torch", tile_size=10)
     with pytest.raises(TypeError, match="backend instance"):
         FrozenLinear.from_linear(torch.nn.Linear(32, 16), backend="torch")
+
+
+# ---------------------------------------------------------------- a state dict that would load garbage is refused
+
+
+def _packed_state(**edits):
+    """A FrozenLinear(96 -> 80)'s state dict inside a Sequential (prefix "0."), with `edits` applied (None drops)."""
+    _, layer = _pair()
+    state = {f"0.{k}": v.clone() for k, v in layer.state_dict().items()}
+    for name, value in edits.items():
+        if value is None:
+            del state[f"0.{name}"]
+        else:
+            state[f"0.{name}"] = value(state[f"0.{name}"])
+    return state
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_state_dict_missing_a_packed_tensor_is_refused_naming_it(strict):
+    fresh = torch.nn.Sequential(FrozenLinear(96, 80))
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(ValueError) as info:
+        fresh.load_state_dict(_packed_state(weight_scale=None, weight_scale_2=None), strict=strict)
+    message = str(info.value)
+    assert "0.weight_scale: missing from the state dict" in message, message
+    assert "0.weight_scale_2: missing from the state dict" in message, message
+    assert "0.weight:" not in message  # only what is wrong
+    # nothing of the half weight was copied in (strict=False used to mix the new codes with the old scales)
+    bits = {k: v.reshape(-1).view(torch.uint8) for k, v in fresh.state_dict().items()}
+    assert all(torch.equal(bits[k], v.reshape(-1).view(torch.uint8)) for k, v in before.items())
+    # a state dict holding none of the layer's frozen weight still loads partially when strict=False
+    fresh.load_state_dict({"0.bias": torch.ones(80)}, strict=False)
+    assert torch.equal(fresh[0].bias, torch.ones(80))
+
+
+@pytest.mark.parametrize(
+    ("edits", "problem"),
+    [
+        ({"weight_scale": lambda t: t.half()}, "0.weight_scale: dtype torch.float16, must be torch.float8_e4m3fn"),
+        ({"weight": lambda t: t.float()}, "0.weight: dtype torch.float32, must be torch.uint8"),
+        ({"weight_scale": lambda t: t[:, :5].contiguous()}, "0.weight_scale: shape [80, 5], must be [80, 6]"),
+        ({"weight_scale_2": lambda t: torch.zeros(())}, "0.weight_scale_2: 0.0, must be a finite number > 0"),
+        ({"weight_scale_2": lambda t: t / 0}, "0.weight_scale_2: inf, must be a finite number > 0"),
+        ({"weight_scale": lambda t: torch.full_like(t.view(torch.uint8), 0x7F).view(t.dtype)}, "480 of 480 block"),
+    ],
+)
+def test_state_dict_with_a_wrong_packed_tensor_is_refused_naming_it(edits, problem):
+    fresh = torch.nn.Sequential(FrozenLinear(96, 80))
+    with pytest.raises(ValueError) as info:
+        fresh.load_state_dict(_packed_state(**edits))
+    assert problem in str(info.value), str(info.value)
+    assert "FrozenLinear" in str(info.value)

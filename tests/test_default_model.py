@@ -9,7 +9,7 @@ def test_default_model_loads_and_classifies():
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from optimum_pact.commands.evaluation import accuracy, classify
+    from optimum_pact.commands.evaluation import classify, score_labels
 
     folder = ensure_default_model()  # honours $PACT_CACHE; downloads ~93 MB and converts on first use
     assert ensure_default_model() == folder
@@ -24,10 +24,12 @@ def test_default_model_loads_and_classifies():
     labels = sorted({e["label"] for e in train})
     notes = heldout[:3]
     model.train()
-    preds = classify(model, tokenizer, [e["text"] for e in notes], labels, batch_size=2)
-    assert len(preds) == 3 and set(preds) <= set(labels)
+    texts = [e["text"] for e in notes]
+    preds = classify(model, tokenizer, texts, labels, batch_size=2)
     assert model.training  # classify restores the training mode
-    assert 0.0 <= accuracy(preds, [e["label"] for e in notes]) <= 1.0
+    scores = score_labels(model, tokenizer, texts, labels, batch_size=3)  # another batching: the same scores
+    assert scores.shape == (3, len(labels)) and torch.isfinite(scores).all() and (scores < 0).all()  # log-probs
+    assert preds == [labels[j] for j in scores.argmax(-1).tolist()]
 
 
 class CharTokenizer:

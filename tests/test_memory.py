@@ -22,6 +22,7 @@ from optimum_pact.memory import (
     OffloadError,
     TokenNeighbours,
     fake_peak,
+    map_frozen_weights,
     module_tensors,
     subset_cross_entropy,
 )
@@ -242,6 +243,79 @@ def test_mapped_weights_change_nothing_and_leave_no_file(tmp_path):
             assert tracker.mapped_bytes == mapped and tracker.live_bytes < sum(
                 t.numel() * t.element_size() for t in module_tensors(model)
             )
+
+
+def _frozen_stack(second: str = "nvfp4"):
+    """Two FrozenLinears, NVFP4 (64 -> 32) then `second` (32 -> 16; "fp16": kept 16-bit by a precision plan), and
+    their output on a fixed input."""
+    torch.manual_seed(0)
+    first, last = torch.nn.Linear(64, 32), torch.nn.Linear(32, 16)
+    stack = torch.nn.Sequential(FrozenLinear.from_linear(first), FrozenLinear.from_linear(last, precision=second))
+    return stack, stack(torch.ones(3, 64)).detach()
+
+
+def _corrupting_save(monkeypatch, edit):
+    """Make torch.save write what `edit(obj, path)` leaves of the weights file map_frozen_weights writes."""
+    real_save = torch.save
+
+    def save(obj, path, *args, **kwargs):
+        obj = dict(obj)
+        edit(obj, path, lambda o: real_save(o, path, *args, **kwargs))
+
+    monkeypatch.setattr(torch, "save", save)
+
+
+def _key_of(obj, dtype, shape):
+    (key,) = [k for k, t in obj.items() if t.dtype == dtype and tuple(t.shape) == shape]
+    return key
+
+
+def test_mapped_weights_keep_the_products_of_nvfp4_and_fp16_layers(tmp_path):
+    stack, expected = _frozen_stack("fp16")
+    mapped = map_frozen_weights(stack, folder=tmp_path)
+    assert set(mapped["names"]) == {"0.weight", "0.weight_scale", "0.weight_scale_2", "0.bias", "1.weight", "1.bias"}
+    torch.testing.assert_close(stack(torch.ones(3, 64)), expected, atol=0, rtol=0)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_truncated_mapped_weights_file_is_refused_naming_it(tmp_path, monkeypatch):
+    def truncate(obj, path, save):
+        save(obj)
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+
+    _corrupting_save(monkeypatch, truncate)
+    stack, _ = _frozen_stack()
+    with pytest.raises(ValueError) as info:
+        map_frozen_weights(stack, folder=tmp_path)
+    message = str(info.value)
+    assert "map_frozen_weights" in message and str(tmp_path / "pact-weights-") in message, message
+    assert "truncated or corrupt" in message and "free space" in message, message
+    assert list(tmp_path.iterdir()) == []  # not left behind
+
+
+@pytest.mark.parametrize(
+    ("edit", "problem"),
+    [
+        (lambda obj, key: obj.pop(key), "0.weight_scale: missing from the weights file"),
+        (lambda obj, key: obj.update({key: obj[key].to(torch.float16)}), "0.weight_scale: dtype torch.float16"),
+        (lambda obj, key: obj.update({key: obj[key][:, :2].contiguous()}), "0.weight_scale: shape [32, 2]"),
+    ],
+)
+def test_mapped_weights_file_with_a_missing_or_mismatched_tensor_is_refused_naming_it(
+    tmp_path, monkeypatch, edit, problem
+):
+    def corrupt(obj, path, save):
+        edit(obj, _key_of(obj, torch.float8_e4m3fn, (32, 4)))
+        save(obj)
+
+    _corrupting_save(monkeypatch, corrupt)
+    stack, expected = _frozen_stack()
+    with pytest.raises(ValueError) as info:
+        map_frozen_weights(stack, folder=tmp_path)
+    assert problem in str(info.value), str(info.value)
+    assert list(tmp_path.iterdir()) == []
+    torch.testing.assert_close(stack(torch.ones(3, 64)), expected, atol=0, rtol=0)  # the model was left as it was
 
 
 def test_stale_offload_folder_of_a_dead_process_is_removed(tmp_path):

@@ -113,7 +113,7 @@ def test_fp16_layer_on_qnn_runs_every_node_on_the_npu():
     assert {("forward", 80, 64, 16, "fp16"), ("input_grad", 80, 64, 16, "fp16")} <= set(placement)
     for key, placed in placement.items():
         assert list(placed) == [qnn_module.EP_NAME], key
-        assert "Gather" not in placed[qnn_module.EP_NAME] if key[4] == "fp16" else True
+        assert key[4] == "fp16" and "Gather" not in placed[qnn_module.EP_NAME], key  # no dequantizer in the graph
 
 
 # -- the probe and the plan -----------------------------------------------------------------------------------

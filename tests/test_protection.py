@@ -437,12 +437,3 @@ def test_strategyqa_is_read_from_the_sdist_layout_and_split_reproducibly(tmp_pat
         sq.load_examples(tmp_path / "bad.json")
     with pytest.raises(ValueError, match="test_size=10 must be between 1 and 9"):
         sq.split(loaded, 10)
-
-
-def test_the_real_strategyqa_task_when_cached():
-    sq = _strategyqa()
-    task = sq.cache_dir() / "strategyqa" / "task.json"
-    if not task.is_file():
-        pytest.skip(f"{task} is not cached: `python benchmarks/aqlora_accuracy.py --quick` fetches it once (358 MB)")
-    examples = sq.load_examples(task)
-    assert len(examples) == 2290 and sum(e.answer for e in examples) == 1071  # FACTS.md: 2,290 yes/no questions

@@ -221,18 +221,26 @@ def _launch(out: Path) -> subprocess.Popen:
     )
 
 
-def _kill_at(out: Path, step: int, delay: float) -> str:
-    """Run the worker and kill -9 it `delay` s after it reports `step` (or let it finish); returns what happened."""
+def _kill_after(out: Path, steps: int, delay: float) -> tuple[int, str]:
+    """Run the worker and kill -9 it `delay` s after it finished `steps` steps of this run; returns the first step
+    this run finished and what happened.
+
+    Fails unless the kill really lands mid-run: the process must still be running (killed by the signal, no "done").
+    """
     proc = _launch(out)
     try:
+        seen = []
         for line in proc.stdout:
-            if line.strip() == f"step {step}":
-                time.sleep(delay)
-                proc.kill()
-                proc.wait()
-                return f"killed {delay * 1000:.0f} ms after step {step}"
-        proc.wait()
-        return f"finished before step {step} (rc {proc.returncode})"
+            if line.startswith("step "):
+                seen.append(int(line.split()[1]))
+                if len(seen) == steps:
+                    time.sleep(delay)
+                    proc.kill()
+                    rest = proc.stdout.read()
+                    proc.wait()
+                    assert proc.returncode == -signal.SIGKILL and "done" not in rest, (proc.returncode, rest)
+                    return seen[0], f"started at step {seen[0]}, killed {delay * 1000:.0f} ms after step {seen[-1]}"
+        raise AssertionError(f"the run ended (rc {proc.wait()}) before {steps} steps: this trial killed nothing")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -240,13 +248,19 @@ def _kill_at(out: Path, step: int, delay: float) -> str:
 
 
 def _kill_resume_trials(tmp_path: Path, reference: Path, chains: int, kills: int, seed: int) -> None:
-    """`chains` runs, each killed with SIGKILL at `kills` random points (steps and delays) and resumed each time."""
+    """`chains` runs, each killed with SIGKILL `kills` times at random points and resumed each time, then run to the
+    end; the final adapter must be the reference's. A kill lands 4 or 5 steps into a run plus up to 30 ms (mid-step,
+    or mid-checkpoint: checkpoints follow every 3rd step), so each run has committed a checkpoint before it dies and
+    is still running when it is killed (18 steps in all); every run must start from the newest committed one."""
     rng = random.Random(seed)
     report, corrupt = [], 0
     for chain in range(chains):
         out = tmp_path / f"chain{chain}"
-        for step in sorted(rng.sample(range(1, 18), kills)):
-            what = _kill_at(out, step, rng.uniform(0, 0.05))
+        for _ in range(kills):
+            committed = [int(c.name.split("-")[1]) for c in list_checkpoints(out / "checkpoints")]
+            steps_in = rng.choice((4, 5)) if max(committed, default=0) + 5 <= 15 else 4  # never past step 17
+            started, what = _kill_after(out, steps_in, rng.uniform(0, 0.03))
+            assert started == (max(committed) + 1 if committed else 1), (what, committed)  # resumed, or fresh
             for folder in list_checkpoints(out / "checkpoints"):
                 try:
                     read_manifest(folder)
@@ -258,6 +272,8 @@ def _kill_resume_trials(tmp_path: Path, reference: Path, chains: int, kills: int
         stdout, _ = final.communicate(timeout=300)
         assert final.returncode == 0, stdout[-2000:]
         report.append(f"chain {chain}: {stdout.strip().splitlines()[-1]}")
+        resumed_from = int(stdout.strip().splitlines()[-1].split()[-1])
+        assert 0 < resumed_from < 18, "\n".join(report)  # the last run continued from a checkpoint before the end
         assert _adapter_bytes(out) == _adapter_bytes(reference), "\n".join(report)
         assert not list((out / "checkpoints").glob("*.corrupt"))
     print("\n" + "\n".join(report) + f"\ncorrupt checkpoints: {corrupt}; final adapters bit-identical: yes")

@@ -4,8 +4,9 @@ The Trainer writes a checkpoint into `<output_dir>/checkpoint-N` (its own format
 RNG states, trainer_state.json). `commit_checkpoint` fsyncs it, writes `pact_checkpoint.json` (sha256 and size of
 every file, the data position and the run's identity) by temp file + fsync + rename, then renames the whole folder
 into `<output_dir>/checkpoints/`, so that folder only ever holds complete checkpoints. `find_checkpoint` returns the
-newest one whose checksums verify, moving corrupt ones aside, and refuses one written for another base model or
-adapter configuration.
+newest one whose checksums verify and whose files the Trainer can read back (`check_contents`: damage from before
+the checkpoint was sealed), moving corrupt ones aside, and refuses one written for another base model or adapter
+configuration.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ import os
 import re
 import shutil
 import time
+import zipfile
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from optimum_pact.files import sha256_file
 
@@ -37,7 +40,8 @@ _SAMPLES_PER_TENSOR = 1 << 16
 
 
 class CorruptCheckpointError(ValueError):
-    """A checkpoint whose manifest is missing or whose files do not match their checksums."""
+    """A checkpoint whose manifest is missing or damaged, or whose files do not match their checksums or cannot be
+    read back (the message starts with the checkpoint folder and names the file)."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -180,8 +184,24 @@ def commit_checkpoint(staging: str | Path, checkpoints_dir: str | Path, info: di
     return target
 
 
+def _manifest_entry(folder: Path, name, expected) -> Path:
+    """The file a manifest entry names, after checking the entry's form (CorruptCheckpointError)."""
+    relative = Path(name) if isinstance(name, str) and name else None
+    if relative is None or relative.is_absolute() or ".." in relative.parts:
+        raise CorruptCheckpointError(f"{folder}: {MANIFEST_NAME} lists {name!r}, outside the checkpoint")
+    if (
+        not isinstance(expected, dict)
+        or not isinstance(expected.get("sha256"), str)
+        or isinstance(expected.get("bytes"), bool)
+        or not isinstance(expected.get("bytes"), int)
+    ):
+        raise CorruptCheckpointError(f"{folder}: {MANIFEST_NAME} lists {name} without its size and sha256")
+    return folder / relative
+
+
 def read_manifest(folder: str | Path) -> dict:
-    """The manifest of a committed checkpoint, after checking every file against it (CorruptCheckpointError)."""
+    """The manifest of a committed checkpoint, after checking every file against it and that the Trainer can read
+    the files back (`check_contents`); CorruptCheckpointError naming the file otherwise."""
     folder = Path(folder)
     try:
         manifest = json.loads((folder / MANIFEST_NAME).read_text())
@@ -191,16 +211,73 @@ def read_manifest(folder: str | Path) -> dict:
         raise CorruptCheckpointError(f"{folder}: unreadable {MANIFEST_NAME} ({err})") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         raise CorruptCheckpointError(f"{folder}: {MANIFEST_NAME} has no file list")
+    if not isinstance(manifest.get("identity", {}), (dict, type(None))):
+        raise CorruptCheckpointError(f"{folder}: {MANIFEST_NAME} has no valid identity")
     for name, expected in manifest["files"].items():
-        path = folder / name
-        if not path.is_file():
-            raise CorruptCheckpointError(f"{folder}: {name} is missing")
-        size = path.stat().st_size
-        if size != expected.get("bytes"):
-            raise CorruptCheckpointError(f"{folder}: {name} has {size} bytes, expected {expected.get('bytes')}")
-        if sha256_file(path) != expected.get("sha256"):
-            raise CorruptCheckpointError(f"{folder}: {name} does not match its sha256")
+        path = _manifest_entry(folder, name, expected)
+        try:
+            if not path.is_file():
+                raise CorruptCheckpointError(f"{folder}: {name} is missing")
+            size = path.stat().st_size
+            if size != expected["bytes"]:
+                raise CorruptCheckpointError(f"{folder}: {name} has {size} bytes, expected {expected['bytes']}")
+            if sha256_file(path) != expected["sha256"]:
+                raise CorruptCheckpointError(f"{folder}: {name} does not match its sha256")
+        except OSError as err:
+            raise CorruptCheckpointError(f"{folder}: {name} cannot be read ({err})") from None
+    check_contents(folder)
     return manifest
+
+
+def _check_file(path: Path) -> str | None:
+    """Why the Trainer could not read `path` back (None: it can), by its kind: JSON, safetensors, torch.save zip."""
+    if path.suffix == ".json":
+        try:
+            data = json.loads(path.read_text())
+        except UnicodeDecodeError as err:
+            return f"not text ({err})"
+        except ValueError as err:
+            return f"not valid JSON ({err})"
+        if path.name == "trainer_state.json" and not isinstance(data, dict):
+            return "does not hold a JSON object"
+    elif path.suffix == ".safetensors":
+        try:
+            with safe_open(str(path), framework="pt"):
+                pass
+        except (SafetensorError, OSError) as err:
+            return str(err).replace("Error while deserializing header: ", "") or type(err).__name__
+    elif path.suffix in (".pt", ".pth", ".bin"):  # torch.save's format: a zip archive with a CRC per record
+        try:
+            with zipfile.ZipFile(path) as archive:
+                bad = archive.testzip()
+        except (zipfile.BadZipFile, EOFError, ValueError) as err:
+            return f"not a complete torch.save archive ({err})"
+        if bad is not None:
+            return f"record {bad} fails its CRC check"
+    return None
+
+
+def check_contents(folder: str | Path) -> None:
+    """Check that the Trainer can read back every file of checkpoint `folder`: JSON files parse, safetensors
+    headers cover their file, torch.save archives pass their CRC checks, an adapter has its weights.
+
+    Checksums cannot see damage done before a checkpoint was sealed, nor any in a Trainer checkpoint without a
+    manifest; this can. Raises CorruptCheckpointError naming the first damaged file.
+    """
+    folder = Path(folder)
+    for path in _payload_files(folder):
+        try:
+            problem = _check_file(path)
+        except OSError as err:
+            problem = f"cannot be read ({err})"
+        if problem is not None:
+            raise CorruptCheckpointError(f"{folder}: {path.relative_to(folder).as_posix()} is damaged ({problem})")
+    if (folder / "adapter_config.json").is_file() and not any(
+        (folder / name).is_file() for name in ("adapter_model.safetensors", "adapter_model.bin")
+    ):
+        raise CorruptCheckpointError(
+            f"{folder}: adapter_config.json is there but adapter_model.safetensors is missing"
+        )
 
 
 def _discard(folder: Path) -> None:
@@ -213,8 +290,10 @@ def _discard(folder: Path) -> None:
 def quarantine(folder: Path) -> Path:
     """Move a corrupt checkpoint out of the committed set, to `<name>.corrupt` (replacing an older one)."""
     target = folder.with_name(folder.name + ".corrupt")
-    if target.exists():
+    if target.is_dir() and not target.is_symlink():
         shutil.rmtree(target, ignore_errors=True)
+    elif target.exists() or target.is_symlink():
+        target.unlink()
     os.replace(folder, target)
     return target
 
@@ -224,26 +303,40 @@ def find_checkpoint(
 ) -> Path | None:
     """The newest committed checkpoint in `checkpoints_dir` whose files verify, or None when there is none.
 
-    Corrupt ones are reported (warning) and, with `move_corrupt`, renamed to `<name>.corrupt`; the next older one
-    is tried. With `model`, a checkpoint written for another base model or adapter configuration is refused with a
-    ValueError saying why (it is not skipped: the folder belongs to another run).
+    Corrupt ones (see `read_manifest`) are reported (warning) and, with `move_corrupt`, renamed to
+    `<name>.corrupt`; the next older one is tried, and a warning says so when none is left. With `model`, a
+    checkpoint written for another base model or adapter configuration is refused with a ValueError saying why (it
+    is not skipped: the folder belongs to another run).
     """
     current = model_identity(model) if model is not None else None
+    skipped = 0
     for folder in reversed(list_checkpoints(checkpoints_dir)):
         try:
             manifest = read_manifest(folder)
         except CorruptCheckpointError as err:
-            where = quarantine(folder) if move_corrupt else folder
-            logger.warning(f"resumable: corrupt checkpoint skipped: {err}; moved to {where}; trying an older one.")
+            skipped += 1
+            where = "left in place"
+            if move_corrupt:
+                try:
+                    where = f"moved to {quarantine(folder)}"
+                except OSError as move_err:
+                    where = f"could not be moved aside ({move_err}): delete it"
+            logger.warning(f"resumable: corrupt checkpoint skipped: {err}; {where}; trying an older one.")
             continue
         if current is not None:
-            reason = identity_mismatch(manifest.get("identity", {}), current)
+            reason = identity_mismatch(manifest.get("identity") or {}, current)
             if reason is not None:
                 raise ValueError(
                     f"refusing to resume from {folder}: it was written for {reason}. Use another output directory "
                     f"for this run, or delete {Path(checkpoints_dir)} to start over."
                 )
         return folder
+    if skipped:
+        kept = "kept as *.corrupt: delete them once inspected" if move_corrupt else "left in place"
+        logger.warning(
+            f"resumable: no valid checkpoint is left in {checkpoints_dir} ({skipped} damaged, {kept}); a run "
+            "resumed from this folder starts from step 0."
+        )
     return None
 
 

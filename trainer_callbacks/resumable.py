@@ -31,6 +31,8 @@ from .checkpoint import (
     CHECKPOINT_RE,
     MANIFEST_NAME,
     STAGING_MARKER,
+    CorruptCheckpointError,
+    check_contents,
     commit_checkpoint,
     find_checkpoint,
     folder_bytes,
@@ -126,17 +128,34 @@ class ResumableExecutionCallback(TrainerCallback, ExportableState):
 
     @staticmethod
     def check_checkpoint(path: str | Path, model=None) -> dict | None:
-        """Verify a committed checkpoint's checksums (and, with `model`, its identity); returns its manifest.
+        """Verify a committed checkpoint's checksums and contents (and, with `model`, its identity); returns its
+        manifest.
 
-        A Trainer checkpoint without a manifest (not written with this callback) is resumed unverified, with a
-        warning; None is returned then.
+        A Trainer checkpoint without a manifest (not written with this callback) is resumed without checksums, with
+        a warning (None is returned then), but its files must still read back (`checkpoint.check_contents`). A
+        damaged checkpoint raises CorruptCheckpointError naming the file and what to do; a missing folder,
+        FileNotFoundError.
         """
-        if not (Path(path) / MANIFEST_NAME).is_file() and (Path(path) / "trainer_state.json").is_file():
-            logger.warning(f"resumable: {path} has no {MANIFEST_NAME}; resuming from it without verification.")
-            return None
-        manifest = read_manifest(path)
+        folder = Path(path)
+        advice = (
+            "; resume from an older checkpoint (find_checkpoint() returns the newest that verifies, moving damaged "
+            "ones aside) or pass resume_from_checkpoint=None to start over."
+        )
+        if not folder.is_dir():
+            raise FileNotFoundError(
+                f"resume_from_checkpoint={str(path)!r} does not exist; pass a checkpoint folder (find_checkpoint() "
+                "returns the newest valid one) or resume_from_checkpoint=None to start over."
+            )
+        try:
+            if not (folder / MANIFEST_NAME).is_file() and (folder / "trainer_state.json").is_file():
+                logger.warning(f"resumable: {path} has no {MANIFEST_NAME}; resuming from it without checksums.")
+                check_contents(folder)
+                return None
+            manifest = read_manifest(folder)
+        except CorruptCheckpointError as err:
+            raise CorruptCheckpointError(f"{err}{advice}") from None
         if model is not None:
-            reason = identity_mismatch(manifest.get("identity", {}), model_identity(model))
+            reason = identity_mismatch(manifest.get("identity") or {}, model_identity(model))
             if reason is not None:
                 raise ValueError(f"refusing to resume from {path}: it was written for {reason}.")
         return manifest

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -79,6 +81,7 @@ class FrozenLinear(nn.Module):
                 "Leave this layer unquantized (exclude it from target_modules)."
             )
         self.in_features, self.out_features, self.precision = in_features, out_features, precision
+        self._dense_dtype = weight_dtype  # the fp16-precision weight's dtype (NVFP4 layers keep their own)
         if precision == "fp16":
             self.register_buffer("weight", torch.zeros(out_features, in_features, dtype=weight_dtype, device=device))
         else:
@@ -130,12 +133,64 @@ class FrozenLinear(nn.Module):
         return NVFP4Tensor(self.weight, self.weight_scale, self.weight_scale_2)
 
     def load_nvfp4(self, weight: NVFP4Tensor) -> None:
+        """Hold `weight` (its three tensors, not copies) and drop the backend's prepared handle; dtypes and shapes
+        are checked, values are not (see `weight_problems`)."""
         if self.precision != "nvfp4":
             raise ValueError(f"load_nvfp4 on a FrozenLinear with precision={self.precision!r}.")
-        if weight.shape != (self.out_features, self.in_features):
-            raise ValueError(f"NVFP4 weight of shape {tuple(weight.shape)} does not fit {self}.")
+        tensors = dict(zip(PACKED_NAMES, (weight.qdata, weight.scale, weight.scale_2)))
+        problems = self.weight_problems(tensors, values=False)
+        if problems:
+            raise ValueError(f"This NVFP4 weight does not fit {self}: {'; '.join(problems)}.")
         self.weight, self.weight_scale, self.weight_scale_2 = weight.qdata, weight.scale, weight.scale_2
         self._handle = None
+
+    def release_handle(self) -> None:
+        """Drop the backend's prepared weight; the next product prepares it again from the buffers. Call it after
+        putting a new tensor in a buffer's place without `load_nvfp4` (e.g. a memory-mapped copy)."""
+        self._handle = None
+
+    def layout(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """The frozen-weight tensors this layer holds, as a checkpoint or state dict must give them:
+        `{name: (dtype, shape)}` (NVFP4: the ModelOpt names `weight`, `weight_scale`, `weight_scale_2`)."""
+        n, k = self.out_features, self.in_features
+        if self.precision == "fp16":
+            return {"weight": (self._dense_dtype, (n, k))}
+        return {
+            "weight": (torch.uint8, (n, k // 2)),
+            "weight_scale": (torch.float8_e4m3fn, (n, k // 16)),
+            "weight_scale_2": (torch.float32, ()),
+        }
+
+    def weight_problems(
+        self,
+        tensors: Mapping[str, torch.Tensor | None],
+        prefix: str = "",
+        source: str = "the state dict",
+        values: bool = True,
+    ) -> list[str]:
+        """Everything that keeps `tensors` (name -> tensor, None or absent: not given) from being this layer's frozen
+        weight, one `"<prefix><name>: <problem>"` line each; empty when they fit.
+
+        Checks that every tensor of `layout()` is there with its dtype and shape, and with `values` (not on the meta
+        device) that `weight_scale_2` is a finite number > 0 and that no block scale is NaN: the values a packed
+        weight can hold that are garbage whatever the codes.
+        """
+        problems = []
+        for name, (dtype, shape) in self.layout().items():
+            tensor, key = tensors.get(name), f"{prefix}{name}"
+            if tensor is None:
+                problems.append(f"{key}: missing from {source}")
+            elif tensor.dtype != dtype:
+                problems.append(f"{key}: dtype {tensor.dtype}, must be {dtype}")
+            elif tuple(tensor.shape) != shape:
+                problems.append(f"{key}: shape {list(tensor.shape)}, must be {list(shape)}")
+            elif not values or tensor.is_meta:
+                continue
+            elif name == "weight_scale_2" and not (math.isfinite(value := float(tensor)) and value > 0):
+                problems.append(f"{key}: {value}, must be a finite number > 0")
+            elif name == "weight_scale" and (nan := int((tensor.view(torch.uint8) & 0x7F).eq(0x7F).sum())):
+                problems.append(f"{key}: {nan} of {tensor.numel()} block scales are NaN")
+        return problems
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The effective weight that every product uses (for merging and tests; never cached)."""
@@ -161,9 +216,23 @@ class FrozenLinear(nn.Module):
         self._handle = None  # prepare again on next use
         return self
 
-    def _load_from_state_dict(self, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # torch would cast a tensor of the wrong dtype into the buffer and, with strict=False, load the codes
+        # without their scales: either computes with garbage. So a state dict that gives any of the frozen weight
+        # must give all of it, fit, before any of it is copied. One that gives none of it is torch's business:
+        # listed as missing (an error when strict; torch passes strict=True here whatever the caller asked).
+        given = {name: state_dict.get(prefix + name) for name in self.layout()}
+        if any(tensor is not None for tensor in given.values()):
+            problems = self.weight_problems(given, prefix)
+            if problems:
+                raise ValueError(
+                    f"FrozenLinear {prefix[:-1] or '(the root module)'} cannot load this state dict; it would "
+                    "compute with garbage:\n  - " + "\n  - ".join(problems) + "\nLoad the complete state dict of a "
+                    "model with the same layers (its state_dict(), or the checkpoint save_pretrained wrote), or "
+                    "build the layer again with FrozenLinear.from_linear."
+                )
         self._handle = None
-        return super()._load_from_state_dict(*args, **kwargs)
+        return super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = FrozenProduct.apply(x, self.backend, self.handle)

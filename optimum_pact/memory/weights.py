@@ -16,6 +16,7 @@ them as `mapped_bytes`, apart from live tensors. Trainable parameters (LoRA) are
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
 from pathlib import Path
 
@@ -33,7 +34,9 @@ def map_frozen_weights(model: nn.Module, folder: str | os.PathLike | None = None
 
     Returns `{"mapped": [tensor, ...], "names": [...], "bytes": total}`, each tensor once (tied weights stay tied).
     The file goes in `folder` (default: the system temp dir) and needs as much free space as the mapped bytes.
-    Call it once: a second call maps the mapped tensors again, into a new file.
+    Call it once: a second call maps the mapped tensors again, into a new file. The file is checked as it is mapped
+    back: if it is truncated or corrupt, or a tensor is missing or has another dtype or shape than was written, a
+    ValueError names the file and each such tensor, and the model is left as it was.
     """
     owners: dict[int, list[tuple[nn.Module, str, bool]]] = {}  # id(tensor) -> [(module, attribute, is_param)]
     tensors: dict[int, tuple[str, torch.Tensor]] = {}
@@ -53,13 +56,13 @@ def map_frozen_weights(model: nn.Module, folder: str | os.PathLike | None = None
     fd, path = tempfile.mkstemp(prefix="pact-weights-", suffix=".pt", dir=root)
     os.close(fd)
     try:
-        torch.save({key: t.detach().contiguous() for key, (_, t) in tensors.items()}, path)
-        loaded = torch.load(path, mmap=True, weights_only=True)
+        torch.save({name: t.detach().contiguous() for name, t in tensors.values()}, path)
+        loaded = _read_back(path, {name: (t.dtype, t.shape) for name, t in tensors.values()})
     finally:
         os.unlink(path)  # the mapping keeps the inode alive; nothing is left behind
     frozen_linears = set()
     for key, places in owners.items():
-        mapped = loaded[key]
+        mapped = loaded[tensors[key][0]]
         if places[0][2]:
             mapped = nn.Parameter(mapped, requires_grad=False)
         for module, name, is_param in places:
@@ -67,10 +70,51 @@ def map_frozen_weights(model: nn.Module, folder: str | os.PathLike | None = None
             if isinstance(module, FrozenLinear):
                 frozen_linears.add(module)
     for layer in frozen_linears:  # the backend prepares its handle again from the mapped buffers
-        layer.load_nvfp4(NVFP4Tensor(layer.weight, layer.weight_scale, layer.weight_scale_2))
-    mapped = [loaded[key] for key in owners]
+        if layer.precision == "nvfp4":
+            layer.load_nvfp4(NVFP4Tensor(layer.weight, layer.weight_scale, layer.weight_scale_2))
+        else:
+            layer.release_handle()
+    mapped = [loaded[tensors[key][0]] for key in owners]
     return {
         "mapped": mapped,
         "names": [tensors[key][0] for key in owners],
         "bytes": sum(t.numel() * t.element_size() for t in mapped),
     }
+
+
+def _read_back(path: str, written: dict[str, tuple[torch.dtype, torch.Size]]) -> dict[str, torch.Tensor]:
+    """Map the file `path` that was just written with the tensors `written` describes (name -> (dtype, shape)); check
+    that it holds each of them, with its dtype and shape, before anything is put in the model (values are not read:
+    that would page in the whole file)."""
+    fix = (
+        f"Nothing was mapped and the model is unchanged. Check the free space and the file system under "
+        f"{os.path.dirname(path)}, or pass map_frozen_weights another folder."
+    )
+    try:
+        loaded = torch.load(path, mmap=True, weights_only=True)
+    except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as err:
+        raise ValueError(
+            f"map_frozen_weights could not read back the weights file {path} it had just written: it is truncated "
+            f"or corrupt ({type(err).__name__}: {err}). {fix}"
+        ) from err
+    if not isinstance(loaded, dict):
+        raise ValueError(
+            f"map_frozen_weights read back a {type(loaded).__name__} from the weights file {path}, not the dict of "
+            f"tensors it had written: the file was changed after it was written. {fix}"
+        )
+    problems = []
+    for name, (dtype, shape) in written.items():
+        got = loaded.get(name)
+        if not isinstance(got, torch.Tensor):
+            problems.append(f"{name}: missing from the weights file")
+        elif got.dtype != dtype:
+            problems.append(f"{name}: dtype {got.dtype}, must be {dtype}")
+        elif got.shape != shape:
+            problems.append(f"{name}: shape {list(got.shape)}, must be {list(shape)}")
+    problems += [f"{name}: unexpected in the weights file" for name in loaded.keys() - written.keys()]
+    if problems:
+        raise ValueError(
+            f"map_frozen_weights read back the weights file {path} with tensors missing or changed since it was "
+            "written (another process, or a faulty disk):\n  - " + "\n  - ".join(problems) + f"\n{fix}"
+        )
+    return loaded
