@@ -61,24 +61,6 @@ def test_main_job_end_to_end(tmp_path):
     assert (out / "adapter" / "pact_config.json").is_file()
 
 
-@pytest.fixture(scope="module")
-def small_model(tmp_path_factory):
-    """SmolLM2's tokenizer on a 2-block model of random weights: the main job's code path, in seconds."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from optimum_pact.commands.default_model import ensure_default_model
-
-    folder = tmp_path_factory.mktemp("small_model")
-    tokenizer = AutoTokenizer.from_pretrained(ensure_default_model())
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-    )  # fmt: skip
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
 def test_soc_model_without_qnn_is_a_clear_error(capsys):
     assert main(["finetune", "--soc-model", "69"]) == 2
     assert "backend='torch' has no option soc_model='69'" in capsys.readouterr().err

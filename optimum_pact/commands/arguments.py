@@ -77,7 +77,13 @@ class FinetuneArguments:
         default=None, metadata={"help": "Model folder or Hub id (default: SmolLM2-135M-Instruct, fetched once)."}
     )
     data: str | None = field(
-        default=None, metadata={"help": "JSONL file of {'text': ..., 'label': ...} items (default: built-in notes)."}
+        default=None,
+        metadata={
+            "help": "JSON Lines data: labelled items {'text', 'label'} (scored by held-out accuracy), chat "
+            "{'messages'}, {'prompt', 'completion'} or plain {'text'} (scored by held-out loss); the format is read "
+            "from the first line. Default: the built-in labelled notes; 'chat', 'prompt_completion' and 'text' name "
+            "built-in examples of the other formats."
+        },
     )
     output: str = field(
         default="pact-output",

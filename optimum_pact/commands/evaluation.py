@@ -88,3 +88,46 @@ def accuracy(preds: list[str], golds: list[str]) -> float:
     if not golds:
         raise ValueError("accuracy needs at least one example")
     return sum(p == g for p, g in zip(preds, golds)) / len(golds)
+
+
+def heldout_loss(model, rows: list[dict], collator, batch_size: int = 8) -> float:
+    """Mean cross-entropy per learned token (labels != -100) over `rows`; perplexity is its exp."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    try:
+        with torch.no_grad():
+            for start in range(0, len(rows), batch_size):
+                batch = {k: v.to(device) for k, v in collator(rows[start : start + batch_size]).items()}
+                labels = batch.pop("labels")
+                logits = model(**batch).logits[:, :-1].float()
+                targets = labels[:, 1:]
+                losses = torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100, reduction="sum"
+                )
+                total += losses.item()
+                count += int((targets != -100).sum())
+    finally:
+        model.train(was_training)
+    if count == 0:
+        raise ValueError("no held-out token to score: every label is -100")
+    return total / count
+
+
+def answer(model, tokenizer, prompt: list[int], max_new_tokens: int = 40) -> str:
+    """The model's greedy continuation of `prompt` (token ids), decoded, up to the end of sequence."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            ids = torch.tensor([prompt], device=device)
+            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+            out = model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                do_sample=False, pad_token_id=pad,
+            )  # fmt: skip
+    finally:
+        model.train(was_training)
+    return tokenizer.decode(out[0, len(prompt) :], skip_special_tokens=True).strip()

@@ -26,12 +26,16 @@ from trainer_callbacks.resources import peak_rss_bytes
 from ..dataflow import FrozenLinear
 from .arguments import FinetuneRun
 from .data import format_example, load_personal_dataset
-from .evaluation import accuracy, classify
+from .data.generative import builtin_data, file_format, load_generative_dataset, prompt_ids, tokenize_generative
+from .evaluation import accuracy, answer, classify, heldout_loss
 from .summary import FinetuneSummary, write_card
 
 
 def resolve_model(model: str | None) -> str:
-    """The local folder (or Hub id) to load; the embedded default model when `model` is None."""
+    """The local folder (or Hub id) to load; the embedded default model when `model` is None.
+
+    A local folder must hold a config.json that transformers reads as a causal language model (`check_model_folder`).
+    """
     if model is None:
         from .default_model import ensure_default_model
 
@@ -42,10 +46,77 @@ def resolve_model(model: str | None) -> str:
             raise FileNotFoundError(
                 f"--model {model!r}: {path} has no config.json; pass a folder written by save_pretrained."
             )
+        check_model_folder(path, model)
         return str(path)
     if model.startswith((".", "/", "~")) or not re.fullmatch(r"[\w.-]+/[\w.-]+", model):
         raise FileNotFoundError(f"--model {model!r} does not exist; pass an existing model folder or a Hub id.")
     return model  # a Hub id such as "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def check_model_folder(path: Path, given: str) -> None:
+    """Raise ValueError, naming `path/config.json` and what to pass instead, unless AutoModelForCausalLM can load
+    the folder: config.json empty or not JSON, no model_type, a model_type this transformers does not know or that
+    is not a causal LM (transformers' own `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`), or masked-LM weights (e.g. BERT's,
+    which AutoModelForCausalLM would load as a bidirectional BertLMHeadModel)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    config_file = path / "config.json"
+    where = f"--model {given!r}: {config_file}"
+    instead = (
+        "pass the folder of a causal language model written by save_pretrained (such as SmolLM2, Llama or Qwen2), "
+        "or leave out --model to fine-tune the default model"
+    )
+    try:
+        text = config_file.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{where} cannot be read ({err}); {instead}.") from None
+    if not text.strip():
+        raise ValueError(
+            f"{where} is empty (an interrupted download or copy?); copy the model folder again, or {instead}."
+        )
+    try:
+        raw = json.loads(text)
+    except ValueError as err:
+        raise ValueError(
+            f"{where} is not valid JSON ({err}): it is damaged or cut short; copy the model folder again, or "
+            f"{instead}."
+        ) from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where} does not hold a JSON object (it holds a {type(raw).__name__}); {instead}.")
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError):
+        if "model_type" not in raw:
+            raise ValueError(
+                f"{where} has no model_type, so transformers cannot tell which model it describes; {instead}."
+            ) from None
+        import transformers
+
+        raise ValueError(
+            f"{where} has model_type {raw['model_type']!r}, which transformers {transformers.__version__} does not "
+            f"know; upgrade transformers if it is a newer model, or {instead}."
+        ) from None
+    model_type = config.model_type
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(
+            f"{where} has model_type {model_type!r}, which AutoModelForCausalLM cannot load: it is not a causal "
+            f"language model, and PACT fine-tunes one to generate a label; {instead}."
+        )
+    causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
+    causal = {causal} if isinstance(causal, str) else set(causal)
+    masked = MODEL_FOR_MASKED_LM_MAPPING_NAMES.get(model_type)
+    masked = {masked} if isinstance(masked, str) else set(masked or ())
+    architectures = set(getattr(config, "architectures", None) or ())
+    if architectures and architectures <= masked and not architectures & causal:
+        raise ValueError(
+            f"{where} describes a {', '.join(sorted(architectures))}: a masked language model (an encoder that sees "
+            f"the whole text), not a causal language model, although AutoModelForCausalLM would load it as a "
+            f"{', '.join(sorted(causal))}; {instead}."
+        )
 
 
 def tokenize_examples(tokenizer, items: list[dict]) -> list[dict]:
@@ -84,10 +155,29 @@ def finetune(run: FinetuneRun) -> FinetuneSummary:
 
 def _finetune(run: FinetuneRun) -> FinetuneSummary:
     job, config, args = run.job, run.config, run.args
-    train_items, heldout_items = load_personal_dataset(job.data)  # validate the data before any slow work
+    if job.data is not None and not Path(job.data).exists() and builtin_data(job.data) is not None:
+        job.data = str(builtin_data(job.data))  # a built-in example file: chat, prompt_completion, text
+    form = "labelled" if job.data is None else file_format(job.data)  # validate the data before any slow work
+    if form == "labelled":
+        train_items, heldout_items = load_personal_dataset(job.data)
+    else:
+        generative = load_generative_dataset(job.data)
+        train_items, heldout_items = generative.train, generative.heldout
     backend = config.get_backend()  # the model's one backend: a qnn that cannot start fails here, before loading
     model_path = resolve_model(job.model)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError, TypeError) as err:  # e.g. no tokenizer files: transformers asks for sentencepiece
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        detail = "" if first.endswith(":") else f" ({first})"  # transformers' sentencepiece list reads as noise
+        fix = (
+            "the folder needs the files tokenizer.save_pretrained writes (tokenizer.json, tokenizer_config.json) "
+            "next to config.json"
+            if Path(model_path).is_dir()
+            else "check the Hub id and the network, or pass a local model folder"
+        )
+        given = f"--model {job.model!r}" if job.model is not None else "the default model"
+        raise ValueError(f"{given}: the tokenizer in {model_path} could not be loaded{detail}; {fix}.") from err
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     try:
@@ -95,12 +185,10 @@ def _finetune(run: FinetuneRun) -> FinetuneSummary:
     except OSError as err:
         raise FileNotFoundError(f"--model {job.model!r} could not be loaded: {err}") from err
 
-    labels = sorted({item["label"] for item in train_items + heldout_items})
-    texts, golds = [i["text"] for i in heldout_items], [i["label"] for i in heldout_items]
-    accuracy_before = accuracy(classify(base, tokenizer, texts, labels), golds)
-
-    train_rows = tokenize_examples(tokenizer, train_items)
     collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+    held_out = _HeldOut(form, tokenizer, train_items, heldout_items, collator)
+    before = held_out.measure(base)
+    train_rows = tokenize_examples(tokenizer, train_items) if form == "labelled" else held_out.rows(train_items)
     if config.precision_budget_mib is not None and config.precision_plan is None:
         torch.manual_seed(args.seed)
         batch = collator(train_rows[: args.per_device_train_batch_size])
@@ -133,7 +221,7 @@ def _finetune(run: FinetuneRun) -> FinetuneSummary:
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     session_steps = result.global_step - (resumable.resumed_from_step if resumable is not None else 0)
 
-    accuracy_after = accuracy(classify(peft_model, tokenizer, texts, labels), golds)
+    after = held_out.measure(peft_model)
     adapter_dir = Path(job.output) / "adapter"
     peft_model.save_pretrained(str(adapter_dir))
     extra = None
@@ -146,8 +234,14 @@ def _finetune(run: FinetuneRun) -> FinetuneSummary:
         model=model_path,
         train_items=len(train_items),
         heldout_items=len(heldout_items),
-        accuracy_before=accuracy_before,
-        accuracy_after=accuracy_after,
+        accuracy_before=before.get("accuracy"),
+        accuracy_after=after.get("accuracy"),
+        data_format=form,
+        loss_before=before.get("loss"),
+        loss_after=after.get("loss"),
+        example_prompt=held_out.example_text,
+        answer_before=before["answer"],
+        answer_after=after["answer"],
         final_loss=losses[-1] if losses else result.training_loss,
         steps=result.global_step,
         steps_per_second=session_steps / train_seconds,
@@ -165,6 +259,34 @@ def _finetune(run: FinetuneRun) -> FinetuneSummary:
     write_card(adapter_dir, job.model, config, args, summary)
     (Path(job.output) / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
     return summary
+
+
+class _HeldOut:
+    """What the summary reports on the held-out items: accuracy (labelled data) or loss per learned token (the
+    generative formats), and one held-out item answered greedily."""
+
+    def __init__(self, form: str, tokenizer, train: list[dict], heldout: list[dict], collator):
+        self.form, self.tokenizer, self.heldout, self.collator = form, tokenizer, heldout, collator
+        if form == "labelled":
+            self.labels = sorted({item["label"] for item in train + heldout})
+            self.prompt = tokenizer(format_example(heldout[0]["text"], heldout[0]["label"])[0])["input_ids"]
+        else:
+            self.heldout_rows = self.rows(heldout)
+            self.prompt = prompt_ids(tokenizer, heldout[0], form)
+        self.example_text = tokenizer.decode(self.prompt, skip_special_tokens=True)
+
+    def rows(self, items: list[dict]) -> list[dict]:
+        return tokenize_generative(self.tokenizer, items, self.form)
+
+    def measure(self, model) -> dict:
+        if self.form == "labelled":
+            texts, golds = [i["text"] for i in self.heldout], [i["label"] for i in self.heldout]
+            out = {"accuracy": accuracy(classify(model, self.tokenizer, texts, self.labels), golds)}
+            reply = answer(model, self.tokenizer, self.prompt, max_new_tokens=8).split("\n")[0]
+        else:
+            out = {"loss": heldout_loss(model, self.heldout_rows, self.collator)}
+            reply = answer(model, self.tokenizer, self.prompt)
+        return {**out, "answer": reply}
 
 
 def signal_name(signum: int) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -15,8 +16,8 @@ class FinetuneSummary:
     model: str
     train_items: int
     heldout_items: int
-    accuracy_before: float
-    accuracy_after: float
+    accuracy_before: float | None  # labelled data: held-out accuracy (None for generative data)
+    accuracy_after: float | None
     final_loss: float
     steps: int
     steps_per_second: float
@@ -30,6 +31,12 @@ class FinetuneSummary:
     memory_saver: str = "none"  # PactTrainingArguments.pact_memory_saver
     guarded_rows: int = 0  # rows the FP16 range guard scaled down (NPU)
     background: dict | None = None  # background mode only: resume point, pauses, checkpoints
+    data_format: str = "labelled"  # or chat, prompt_completion, text
+    loss_before: float | None = None  # generative data: held-out loss per learned token (perplexity = exp)
+    loss_after: float | None = None
+    example_prompt: str | None = None  # one held-out item, answered greedily by the base and by the adapter
+    answer_before: str | None = None
+    answer_after: str | None = None
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -54,11 +61,29 @@ class FinetuneSummary:
     def _savers(self) -> str:
         return "" if self.memory_saver == "none" else f" (memory savers: {self.memory_saver})"
 
+    def _heldout(self) -> list[tuple[str, str]]:
+        if self.data_format == "labelled":
+            return [("held-out accuracy", f"{self.accuracy_before:.1%} -> {self.accuracy_after:.1%}")]
+        before, after = self.loss_before, self.loss_after
+        return [
+            ("held-out loss", f"{before:.4f} -> {after:.4f}"),
+            ("held-out perplexity", f"{math.exp(before):.2f} -> {math.exp(after):.2f}"),
+        ]
+
+    def _example(self) -> list[tuple[str, str]]:
+        if self.example_prompt is None:
+            return []
+        return [
+            ("held-out prompt", repr(self.example_prompt[-120:])),
+            ("  base answers", repr(self.answer_before)),
+            ("  adapter answers", repr(self.answer_after)),
+        ]
+
     def render(self) -> str:
         rows = [
             ("model", self.model),
-            ("data", f"{self.train_items} train / {self.heldout_items} held-out items"),
-            ("held-out accuracy", f"{self.accuracy_before:.1%} -> {self.accuracy_after:.1%}"),
+            ("data", f"{self.train_items} train / {self.heldout_items} held-out items ({self.data_format})"),
+            *self._heldout(),
             ("final training loss", f"{self.final_loss:.4f}"),
             ("steps", f"{self.steps} in {self.train_seconds:.1f} s ({self.steps_per_second:.2f} steps/s)"),
             ("peak memory (RSS)", f"{self.peak_rss_gib:.2f} GiB" + self._savers()),
@@ -74,6 +99,7 @@ class FinetuneSummary:
                 rows.insert(-1, ("pacing", f"{pauses} pauses, duty cycle {b['pact_duty_cycle']:.0%}"))
             if "pact_checkpoint_mib" in b:
                 rows.insert(-1, ("checkpoint size", f"{b['pact_checkpoint_mib']:.2f} MiB ({b['checkpoints']})"))
+        rows += self._example()
         width = max(len(k) for k, _ in rows)
         return "\n".join(["PACT fine-tune summary"] + [f"  {k:<{width}}  {v}" for k, v in rows])
 
@@ -106,9 +132,14 @@ def write_card(adapter_dir: Path, model: str | None, pact_config, args, summary:
     if summary.background is not None:
         settings["background mode"] = "on (thermal pacing, atomic checkpoints, resume)"
         settings["thermal limit (C)"] = args.pact_thermal_limit_c or "sensor default (40 skin / 85 CPU)"
+    if summary.data_format == "labelled":
+        before, after, name = summary.accuracy_before, summary.accuracy_after, "accuracy"
+    else:
+        before, after, name = summary.loss_before, summary.loss_after, "loss per token"
     metrics = {
-        "held-out accuracy before": round(summary.accuracy_before, 4),
-        "held-out accuracy after": round(summary.accuracy_after, 4),
+        f"held-out {name} before": round(before, 4),
+        f"held-out {name} after": round(after, 4),
+        "data format": summary.data_format,
         "final training loss": round(summary.final_loss, 4),
         "training items / held-out items": f"{summary.train_items} / {summary.heldout_items}",
         "steps": summary.steps,
