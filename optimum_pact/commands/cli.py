@@ -5,7 +5,13 @@ from __future__ import annotations
 import logging
 import sys
 
-USAGE = "usage: pact finetune [options]  (pact finetune --help lists every option)"
+USAGE = (
+    "usage: pact finetune [options]        fine-tune an adapter (default: the built-in model and data)\n"
+    '       pact generate [options] "prompt"  answer with a trained adapter\n'
+    "       pact chat [options]              chat with a trained adapter (/reset, /quit)\n"
+    "(pact COMMAND --help lists every option)"
+)
+COMMANDS = ("finetune", "generate", "chat")
 
 
 def _error(err: Exception, spelled: dict[str, str]) -> str:
@@ -42,10 +48,29 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print("pact: on-device LoRA fine-tuning.\n" + USAGE)
         return 0 if argv else 2
-    if argv[0] != "finetune":
+    if argv[0] not in COMMANDS:
         print(f"pact: error: unknown command {argv[0]!r}.\n{USAGE}", file=sys.stderr)
         return 2
-    return finetune_main(argv[1:])
+    if argv[0] == "finetune":
+        return finetune_main(argv[1:])
+    return generation_main(argv[0], argv[1:])
+
+
+def generation_main(command: str, argv: list[str]) -> int:
+    from ..backends import BackendUnavailableError
+    from .generation import parse, run_chat, run_generate
+
+    try:
+        args, prompt = parse(argv, command)
+        if command == "generate":
+            run_generate(args, prompt)
+            print()
+        else:
+            run_chat(args)
+    except (FileNotFoundError, ValueError, TypeError, BackendUnavailableError) as err:
+        print(f"pact {command}: error: {err}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,130 @@
+"""`pact generate` and `pact chat`: use the adapters you trained, on the same NVFP4 base and backends.
+
+    pact generate --adapter my-run/adapter "Message from Tom: Pub quiz tonight?"
+    pact generate --adapter sam=runs/sam --adapter jo=runs/jo --use jo "..."   # several people, one base
+    pact chat --adapter my-run/adapter                                         # /reset, /quit
+
+Tokens are printed as they come. Options are `GenerateArguments` (parsed by `HfArgumentParser`); the backend
+options are `PactOptions`' own fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+
+from transformers import HfArgumentParser, TextStreamer
+
+from peft_ext.options import PactOptions
+
+from .modeling import PactModelForCausalLM
+
+
+@dataclass
+class _GenerateOwn:
+    model: str | None = field(default=None, metadata={"help": "Base model folder or Hub id (default: SmolLM2)."})
+    adapter: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "Adapter folder, or NAME=FOLDER; repeat it to load several people's adapters on one base.",
+            "action": "extend",
+        },
+    )
+    use: str | None = field(default=None, metadata={"help": "The adapter NAME to generate with (default: the first)."})
+    max_new_tokens: int = field(default=128, metadata={"help": "Tokens to generate at most."})
+    temperature: float = field(default=0.0, metadata={"help": "0: greedy; above 0: sampling at this temperature."})
+    top_p: float = field(default=1.0, metadata={"help": "Sampling: nucleus probability mass."})
+    dtype: str = field(default="bfloat16", metadata={"help": "Compute dtype.", "choices": ["bfloat16", "float32"]})
+
+
+_BACKEND_FIELDS = [f for f in dataclasses.fields(PactOptions) if f.name in ("backend", "backend_options")]
+GenerateArguments = dataclasses.make_dataclass(
+    "GenerateArguments",
+    [(f.name, f.type, field(default=f.default, metadata=dict(f.metadata))) for f in _BACKEND_FIELDS],
+    bases=(_GenerateOwn,),
+)
+
+
+def _adapters(values: list[str]) -> dict[str, str]:
+    adapters = {}
+    for i, value in enumerate(values):
+        name, sep, folder = value.partition("=")
+        name, folder = (name, folder) if sep else ("default" if i == 0 else f"adapter{i}", value)
+        if name in adapters:
+            raise ValueError(f"--adapter {value!r}: the name {name!r} is used twice; give each adapter its own NAME=")
+        adapters[name] = folder
+    return adapters
+
+
+def load(args) -> PactModelForCausalLM:
+    options = PactOptions(backend=args.backend, backend_options=args.backend_options)  # checked once, there
+    model = PactModelForCausalLM.from_pretrained(
+        args.model, _adapters(args.adapter), options.backend, options.backend_options, args.dtype
+    )
+    if args.use is not None:
+        model.set_adapter(args.use)
+    return model
+
+
+def _generate(model: PactModelForCausalLM, ids, args) -> str:
+    context = model.context_length()
+    if context is not None and ids.shape[1] + args.max_new_tokens > context:
+        raise ValueError(
+            f"the prompt ({ids.shape[1]} tokens) plus --max_new_tokens {args.max_new_tokens} exceeds the model's "
+            f"{context}-token context; shorten the prompt or lower --max_new_tokens (in chat: /reset)."
+        )
+    sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p} if args.temperature else {}
+    streamer = TextStreamer(model.tokenizer, skip_prompt=True, skip_special_tokens=True)
+    out = model.generate(
+        input_ids=ids, max_new_tokens=args.max_new_tokens, streamer=streamer, do_sample=False, **sampling
+    )
+    return model.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def parse(argv: list[str], command: str) -> tuple:
+    """(GenerateArguments, prompt or None) from a `pact generate` / `pact chat` command line."""
+    parser = HfArgumentParser(GenerateArguments, prog=f"pact {command}")
+    if command == "generate":
+        parser.add_argument("prompt", help="The text to continue (in quotes).")
+    parsed = parser.parse_args_into_dataclasses(argv)
+    return parsed[0], (parsed[1].prompt if command == "generate" else None)
+
+
+def run_generate(args, prompt: str) -> str:
+    model = load(args)
+    return _generate(model, model.prompt_ids(prompt), args)
+
+
+def run_chat(args, lines=None, out=None) -> list[dict]:
+    """Read user turns from `lines` (stdin), answer each with the chat template; `/reset` forgets, `/quit` ends."""
+    out = sys.stdout if out is None else out
+    model = load(args)
+    if not getattr(model.tokenizer, "chat_template", None):
+        print("note: this model has no chat template; turns are sent as plain text.", file=out)
+    messages: list[dict] = []
+    for line in lines if lines is not None else _stdin():
+        text = line.strip()
+        if text in ("/quit", "/exit"):
+            break
+        if text == "/reset":
+            messages = []
+            print("(conversation reset)", file=out)
+            continue
+        if not text:
+            continue
+        messages.append({"role": "user", "content": text})
+        reply = _generate(model, model.prompt_ids(messages), args)
+        messages.append({"role": "assistant", "content": reply.strip()})
+    return messages
+
+
+def _stdin():
+    while True:
+        try:
+            yield input("> ")
+        except EOFError:
+            return
+
+
+__all__ = ["GenerateArguments", "parse", "run_chat", "run_generate"]

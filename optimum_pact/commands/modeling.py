@@ -1,0 +1,139 @@
+"""PactModelForCausalLM: use what you trained, on the same packed NVFP4 base and the same backends as training.
+
+The base is loaded once as NVFP4 `FrozenLinear`s (quantized while the checkpoint streams in, or read from a saved
+ModelOpt-layout folder), on ONE backend; adapters are peft's, several on one base: `load_adapter(DIR, name)` and
+`set_adapter(name)` switch people without re-quantizing or copying the base. `generate` is transformers' own
+(greedy, sampling, KV cache), `chat` renders the model's chat template.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from peft_ext import PactConfig
+
+from ..dataflow import FrozenLinear
+from ..quantizer import PactQuantizationConfig
+
+logger = logging.getLogger(__name__)
+
+
+class PactModelForCausalLM:
+    """A causal LM on PACT's NVFP4 base plus LoRA adapters, for generation (the Optimum model-class manner).
+
+    `model` is the peft model (or the bare base before any adapter), `tokenizer` its tokenizer, `backend` the one
+    backend every frozen product runs on (`backend.counts` tallies them).
+    """
+
+    def __init__(self, model, tokenizer, base_path: str):
+        self.model, self.tokenizer, self.base_path = model, tokenizer, base_path
+        frozen = [m for m in model.modules() if isinstance(m, FrozenLinear)]
+        if not frozen:
+            raise ValueError(f"{base_path}: no linear layer was put on the NVFP4 base; is it a causal LM?")
+        self.backend = frozen[0].backend
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        base: str | None = None,
+        adapter: str | dict[str, str] | None = None,
+        backend: str = "torch",
+        backend_options: dict | None = None,
+        dtype: str | torch.dtype = torch.bfloat16,
+    ) -> PactModelForCausalLM:
+        """Load `base` (a model folder or Hub id; None: the default model) on the NVFP4 base with `backend`, then
+        `adapter`: a folder, or {name: folder} for several (the first is active)."""
+        from .finetune import resolve_model
+
+        path = resolve_model(base)
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        quantization = PactQuantizationConfig(backend=backend, backend_options=backend_options)
+        model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization, dtype=dtype)
+        model.eval()
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        self = cls(model, tokenizer, path)
+        adapters = {"default": adapter} if isinstance(adapter, (str, Path)) else dict(adapter or {})
+        for name, folder in adapters.items():
+            self.load_adapter(folder, name)
+        if adapters:
+            self.set_adapter(next(iter(adapters)))
+        return self
+
+    def load_adapter(self, folder: str | Path, name: str) -> None:
+        """Add the adapter saved in `folder` under `name` (peft's own machinery: the base is not copied or changed)."""
+        folder = str(folder)
+        if not any(Path(folder, weights).is_file() for weights in ("adapter_model.safetensors", "adapter_model.bin")):
+            raise FileNotFoundError(
+                f"{folder} holds no adapter weights (adapter_model.safetensors); pass the adapter folder of a run"
+            )
+        config = PactConfig.from_pretrained(folder, allow_missing_sidecar=True)
+        self._check_base(folder, config)
+        if config.precision_plan or config.protected_modules:
+            logger.warning(
+                "%s was trained with some linears 16-bit (precision plan / AQLoRA); they run on the NVFP4 base here.",
+                folder,
+            )
+        config.inference_mode = True
+        if isinstance(self.model, PeftModel):
+            if name in self.model.peft_config:
+                raise ValueError(f"an adapter named {name!r} is loaded already; pick another name")
+            self.model.add_adapter(name, config)
+            self.model.load_adapter(folder, adapter_name=name)
+        else:
+            self.model = PeftModel.from_pretrained(self.model, folder, adapter_name=name, config=config)
+        self.model.eval()
+
+    def _check_base(self, folder: str, config: PactConfig) -> None:
+        trained_on = config.base_model_name_or_path
+        if not trained_on:
+            return
+        mine = json.loads(Path(self.base_path, "config.json").read_text()) if Path(self.base_path).is_dir() else {}
+        theirs = Path(trained_on) / "config.json"
+        if theirs.is_file():
+            other = json.loads(theirs.read_text())
+            keys = ("model_type", "hidden_size", "num_hidden_layers", "vocab_size", "intermediate_size")
+            differ = {k: (other.get(k), mine.get(k)) for k in keys if other.get(k) != mine.get(k)}
+            if differ:
+                raise ValueError(
+                    f"{folder} was trained on {trained_on}, which differs from this base {self.base_path} in "
+                    + ", ".join(f"{k} ({a} vs {b})" for k, (a, b) in differ.items())
+                    + "; load it on the base it was trained on."
+                )
+
+    @property
+    def adapters(self) -> list[str]:
+        return list(self.model.peft_config) if isinstance(self.model, PeftModel) else []
+
+    def set_adapter(self, name: str) -> None:
+        """Make adapter `name` the one generation uses (no weight is copied or re-quantized)."""
+        if name not in self.adapters:
+            raise ValueError(f"no adapter named {name!r}; loaded: {self.adapters or 'none'}")
+        self.model.set_adapter(name)
+
+    def generate(self, *args, **kwargs):
+        """transformers' `generate` on the model with the active adapter (greedy unless `do_sample=True`)."""
+        kwargs.setdefault("pad_token_id", self.tokenizer.pad_token_id or self.tokenizer.eos_token_id)
+        with torch.no_grad():
+            return self.model.generate(*args, **kwargs)
+
+    def prompt_ids(self, messages: list[dict] | str) -> torch.Tensor:
+        """Token ids to generate after: a chat rendered with the model's template, or plain text."""
+        if isinstance(messages, str):
+            return self.tokenizer(messages, return_tensors="pt")["input_ids"]
+        if not getattr(self.tokenizer, "chat_template", None):
+            text = "\n".join(m["content"] for m in messages)
+            return self.tokenizer(text, return_tensors="pt")["input_ids"]
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+        return out["input_ids"] if hasattr(out, "keys") else out
+
+    def context_length(self) -> int | None:
+        return getattr(self.model.config, "max_position_embeddings", None)
+
+
+__all__ = ["PactModelForCausalLM"]
