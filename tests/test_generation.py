@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from optimum_pact.backends.qnn import is_qnn_available
 from optimum_pact.commands.cli import main
+from optimum_pact.commands.export import export_merged
 from optimum_pact.commands.generation import parse, run_chat
 from optimum_pact.commands.modeling import PactModelForCausalLM
 from optimum_pact.dataflow import FrozenLinear
@@ -134,3 +135,29 @@ def test_an_adapter_folder_without_weights_or_from_another_base_is_refused(small
     )
     with pytest.raises(ValueError, match=f"was trained on {other_base}.*hidden_size \\(128 vs 64\\)"):
         PactModelForCausalLM.from_pretrained(str(small_model), adapter=str(moved), dtype="float32")
+
+
+def test_merged_export_loads_in_plain_transformers_and_computes_what_the_adapter_did(small_model, adapters, tmp_path):
+    out = export_merged(adapters[0], tmp_path / "merged", str(small_model), dtype=torch.float32)
+    plain = AutoModelForCausalLM.from_pretrained(out)  # no PACT, no peft
+    assert not any(isinstance(m, FrozenLinear) for m in plain.modules()) and not hasattr(plain, "peft_config")
+    pact = PactModelForCausalLM.from_pretrained(str(small_model), adapter=str(adapters[0]), dtype="float32")
+    with torch.no_grad():
+        expected, got = pact.model(input_ids=PROMPT).logits, plain(input_ids=PROMPT).logits
+    torch.testing.assert_close(got, expected, atol=1e-4 * expected.abs().max().item(), rtol=0)
+    assert (out / "tokenizer.json").is_file()
+
+
+def test_pact_export_refuses_a_non_empty_output_and_a_folder_without_an_adapter(
+    small_model, adapters, tmp_path, capsys
+):
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "keep.txt").write_text("mine")
+    base = ["export", "--model", str(small_model), "--format", "merged-bf16"]
+    assert main([*base, "--adapter", str(adapters[0]), "--output", str(taken)]) == 2
+    assert "exists and is not empty" in capsys.readouterr().err and (taken / "keep.txt").read_text() == "mine"
+    assert main([*base, "--adapter", str(tmp_path), "--output", str(tmp_path / "new")]) == 2
+    assert "has no adapter_config.json" in capsys.readouterr().err and not (tmp_path / "new").exists()
+    assert main([*base, "--adapter", str(adapters[0]), "--output", str(tmp_path / "new")]) == 0
+    assert (tmp_path / "new" / "model.safetensors").is_file()

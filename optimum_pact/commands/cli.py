@@ -9,9 +9,10 @@ USAGE = (
     "usage: pact finetune [options]        fine-tune an adapter (default: the built-in model and data)\n"
     '       pact generate [options] "prompt"  answer with a trained adapter\n'
     "       pact chat [options]              chat with a trained adapter (/reset, /quit)\n"
+    "       pact export --adapter DIR --output DIR   the adapter merged into a plain transformers folder\n"
     "(pact COMMAND --help lists every option)"
 )
-COMMANDS = ("finetune", "generate", "chat")
+COMMANDS = ("finetune", "generate", "chat", "export")
 
 
 def _error(err: Exception, spelled: dict[str, str]) -> str:
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if argv[0] == "finetune":
         return finetune_main(argv[1:])
+    if argv[0] == "export":
+        return export_main(argv[1:])
     return generation_main(argv[0], argv[1:])
 
 
@@ -70,6 +73,21 @@ def generation_main(command: str, argv: list[str]) -> int:
     except (FileNotFoundError, ValueError, TypeError, BackendUnavailableError) as err:
         print(f"pact {command}: error: {err}", file=sys.stderr)
         return 2
+    return 0
+
+
+def export_main(argv: list[str]) -> int:
+    from transformers import HfArgumentParser
+
+    from .export import ExportArguments, export
+
+    (args,) = HfArgumentParser(ExportArguments, prog="pact export").parse_args_into_dataclasses(argv)
+    try:
+        path = export(args)
+    except (FileNotFoundError, FileExistsError, ValueError, TypeError) as err:
+        print(f"pact export: error: {err}", file=sys.stderr)
+        return 2
+    print(f"exported {args.adapter} as {args.format}: {path}")
     return 0
 
 
