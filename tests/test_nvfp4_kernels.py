@@ -263,3 +263,45 @@ def test_threads_concurrent_callers_and_fork():
         assert all(check(i) for i in range(8))
     finally:
         torch.set_num_threads(threads)
+
+
+# ---- the fused product for few rows (decoding) ----
+
+
+@needs_native
+@pytest.mark.parametrize("scalar", [False, True])
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 80, 96), (3, 1536, 576), (8, 64, 4864)])
+def test_fused_linear_equals_the_reference_up_to_fp32_summation_order(scalar, rows, n, k):
+    from optimum_pact.nvfp4.kernels import linear_native
+
+    torch.manual_seed(rows + n)
+    q = quantize(torch.randn(n, k) * torch.rand(n, 1) * 3)
+    x = torch.randn(rows, k)
+    expected = x.double() @ dequantize_reference(q.qdata, q.scale, q.scale_2, torch.float64).T  # exact sums
+    got = linear_native(q.qdata, q.scale, q.scale_2, x, scalar=scalar)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    bound = 4 * k * torch.finfo(torch.float32).eps * (x.abs().double() @ q.dequantize(torch.float64).abs().T)
+    assert ((got.double() - expected).abs() <= bound).all()  # the fp32 rounding error of a k-term sum, no more
+
+
+@needs_native
+def test_the_torch_backend_fuses_only_inference_on_few_rows(monkeypatch):
+    from optimum_pact.backends import get_backend, torch_backend
+
+    calls = []
+    real = torch_backend.linear_native
+    monkeypatch.setattr(torch_backend, "linear_native", lambda *a, **kw: calls.append(a[-1].shape) or real(*a, **kw))
+    backend = get_backend("torch")
+    q = quantize(torch.randn(64, 96))
+    x = torch.randn(1, 2, 96, dtype=torch.bfloat16)
+    with torch.no_grad():
+        fused = backend.forward(x, q)
+    assert calls == [(2, 96)] and fused.shape == (1, 2, 64) and fused.dtype == torch.bfloat16
+    reference = (x.float() @ q.dequantize(torch.float32).T).to(torch.bfloat16)
+    torch.testing.assert_close(fused, reference, atol=0, rtol=1e-2)
+    trained = backend.forward(x, q)  # grad enabled: training's path, the same as the input gradient's weights
+    assert len(calls) == 1
+    torch.testing.assert_close(trained, x @ q.dequantize(torch.bfloat16).T, atol=0, rtol=0)
+    with torch.no_grad():
+        backend.forward(torch.randn(9, 96), q)  # more rows than FUSED_MAX_ROWS: dequantize and multiply
+    assert len(calls) == 1

@@ -7,6 +7,11 @@ from collections import Counter
 import torch
 
 from ..nvfp4 import NVFP4Tensor, dequantize
+from ..nvfp4.kernels import linear_native, native_available
+
+# Rows up to which inference (no autograd) runs the fused product; training keeps the dequantize-then-multiply path,
+# so forward, recomputation and input gradient always see the same effective weights in the same dtype.
+FUSED_MAX_ROWS = 8
 
 
 class TorchBackend:
@@ -57,6 +62,10 @@ class TorchBackend:
         if isinstance(handle, torch.Tensor):
             return x @ handle.to(x.dtype).t()
         n, k = handle.shape
+        if x.is_cpu and not torch.is_grad_enabled() and x.numel() <= FUSED_MAX_ROWS * k and native_available():
+            # inference on a few rows (decoding): one fused pass over the packed weight, in fp32
+            y = linear_native(handle.qdata, handle.scale, handle.scale_2, x.reshape(-1, k))
+            return y.to(x.dtype).reshape(*x.shape[:-1], n)
         tile = self.tile_size or n
         if tile >= n:
             return x @ dequantize(handle.qdata, handle.scale, handle.scale_2, x.dtype).t()

@@ -98,6 +98,9 @@ def _build() -> ctypes.CDLL:
     lib.pact_nvfp4_dequantize.argtypes = [ptr, i64, ptr, i64, ctypes.c_float, i64, i64, ptr] + [ctypes.c_int] * 3
     lib.pact_nvfp4_dequantize.restype = ctypes.c_int
     lib.pact_nvfp4_has_avx512.restype = ctypes.c_int
+    lib.pact_nvfp4_linear.argtypes = [ptr, i64, ptr, i64, ctypes.c_float, i64, i64, ptr, i64, ptr, ctypes.c_int]
+    lib.pact_nvfp4_linear.argtypes += [ctypes.c_int]
+    lib.pact_nvfp4_linear.restype = ctypes.c_int
     return lib
 
 
@@ -146,6 +149,33 @@ def dequantize_native(
     )  # fmt: skip
     if status != 0:
         raise RuntimeError(f"native NVFP4 dequantizer rejected its arguments (status {status})")
+    return out
+
+
+def linear_native(
+    qdata: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor, x: torch.Tensor, scalar: bool = False
+) -> torch.Tensor:
+    """`x [m, k] @ deq(W).T` in fp32 for a few rows (decoding), reading the packed weight directly: no dequantized
+    weight is written. Equals `x.float() @ dequantize_reference(...).T` up to the order of the fp32 additions."""
+    lib = _native()
+    if lib is None:
+        raise RuntimeError("the native NVFP4 kernel is not available")
+    n, half_k = qdata.shape
+    qdata, scale = _last_dim_contiguous(qdata), _last_dim_contiguous(scale)
+    if scale.shape != (n, half_k * 2 // BLOCK_SIZE) or x.dim() != 2 or x.shape[1] != half_k * 2:
+        raise ValueError(
+            f"shapes do not match: qdata {tuple(qdata.shape)}, scale {tuple(scale.shape)}, x {tuple(x.shape)}"
+        )
+    x = x.detach().float().contiguous()
+    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    if out.numel() == 0:
+        return out
+    status = lib.pact_nvfp4_linear(
+        qdata.data_ptr(), qdata.stride(0), scale.data_ptr(), scale.stride(0), float(scale_2), n, half_k * 2,
+        x.data_ptr(), x.shape[0], out.data_ptr(), int(scalar), torch.get_num_threads(),
+    )  # fmt: skip
+    if status != 0:
+        raise RuntimeError(f"native NVFP4 linear rejected its arguments (status {status})")
     return out
 
 

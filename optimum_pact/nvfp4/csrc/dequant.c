@@ -125,8 +125,48 @@ typedef struct {
     void *out;
     int64_t q_stride, s_stride, n, k, chunk, nchunks;
     int dtype, scalar;
+    const float *x; /* fused product (pact_nvfp4_linear): m input rows [m, k], output y [m, n]; x == NULL: dequantize */
+    float *y;
+    int64_t m;
     atomic_llong next; /* the next chunk to claim */
 } job_t;
+
+/* y[i, r] = sum_k x[i, k] * w[r, k] for the m rows of x, one weight row r at a time, the weight never written out:
+ * each block's 16 values come from the fp32 table, are multiplied by x and added into 16 fp32 lanes (portable: 16
+ * scalar accumulators in the same order), and the lanes are summed at the end. */
+static void linear_row(const job_t *j, int64_t r) {
+    const int64_t nblocks = j->k / 16;
+    const uint8_t *q = j->qdata + r * j->q_stride, *s = j->scale + r * j->s_stride;
+    const float *table = (const float *)j->table;
+    for (int64_t i = 0; i < j->m; i++) {
+        const float *x = j->x + i * j->k;
+        float sum = 0.0f;
+#ifdef PACT_AVX512
+        if (!j->scalar) {
+            const __m512i shifts = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t b = 0; b < nblocks; b++) {
+                __m128i bytes = _mm_loadl_epi64((const __m128i *)(q + b * 8));
+                __m512i idx = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, bytes)), shifts);
+                __m512 w = _mm512_permutexvar_ps(idx, _mm512_loadu_ps(table + 16 * s[b]));
+                acc = _mm512_add_ps(acc, _mm512_mul_ps(w, _mm512_loadu_ps(x + b * 16)));
+            }
+            j->y[i * j->n + r] = _mm512_reduce_add_ps(acc);
+            continue;
+        }
+#endif
+        float acc[16] = {0};
+        for (int64_t b = 0; b < nblocks; b++) {
+            const float *t = table + 16 * s[b];
+            for (int c = 0; c < 16; c++) {
+                const uint8_t byte = q[b * 8 + c / 2];
+                acc[c] += t[c % 2 ? byte >> 4 : byte & 0xF] * x[b * 16 + c];
+            }
+        }
+        for (int c = 0; c < 16; c++) sum += acc[c];
+        j->y[i * j->n + r] = sum;
+    }
+}
 
 static void work(job_t *j) {
     const int64_t nblocks = j->k / 16, esize = j->dtype == OUT_F32 ? 4 : 2;
@@ -134,6 +174,10 @@ static void work(job_t *j) {
         const int64_t c = atomic_fetch_add_explicit(&j->next, 1, memory_order_relaxed);
         if (c >= j->nchunks) return;
         for (int64_t r = c * j->chunk; r < j->n && r < (c + 1) * j->chunk; r++) {
+            if (j->x != NULL) {
+                linear_row(j, r);
+                continue;
+            }
             const uint8_t *q = j->qdata + r * j->q_stride, *s = j->scale + r * j->s_stride;
             void *o = (char *)j->out + r * j->k * esize;
 #ifdef PACT_AVX512
@@ -179,6 +223,13 @@ static void run(job_t *j, int nthreads) {
         atomic_store_explicit(&solo_until, now_ns() + 1000000000, memory_order_relaxed);
 }
 
+/* Every value a block can take, [scale byte][code], with the reference's own two fp32 multiplies. */
+static void fp32_table(float scale_2, float *t32, float *sc) {
+    for (int byte = 0; byte < 256; byte++) sc[byte] = e4m3_to_f32((uint8_t)byte);
+    for (int byte = 0; byte < 256; byte++)
+        for (int c = 0; c < 16; c++) t32[byte * 16 + c] = (E2M1[c] * sc[byte]) * scale_2;
+}
+
 /* Whether this build has the AVX-512 path (for tests and diagnostics). */
 int pact_nvfp4_has_avx512(void) {
 #ifdef PACT_AVX512
@@ -198,9 +249,7 @@ int pact_nvfp4_dequantize(const uint8_t *qdata, int64_t q_stride, const uint8_t 
     if (k <= 0 || k % 16 || n < 0 || nthreads < 1 || dtype < 0 || dtype > 2) return -1;
     /* every value a block can take: the reference's two fp32 multiplies, then the output rounding
      * (plain loops the compiler vectorizes: the whole table costs about a microsecond) */
-    for (int byte = 0; byte < 256; byte++) sc[byte] = e4m3_to_f32((uint8_t)byte);
-    for (int byte = 0; byte < 256; byte++)
-        for (int c = 0; c < 16; c++) t32[byte * 16 + c] = (E2M1[c] * sc[byte]) * scale_2;
+    fp32_table(scale_2, t32, sc);
     if (dtype == OUT_BF16)
         for (int i = 0; i < 256 * 16; i++) t16[i] = f32_to_bf16(t32[i]);
     if (dtype == OUT_F16) {
@@ -219,5 +268,23 @@ int pact_nvfp4_dequantize(const uint8_t *qdata, int64_t q_stride, const uint8_t 
     j.nchunks = (n + j.chunk - 1) / j.chunk;
     atomic_init(&j.next, 0);
     run(&j, n * (k / 16) >= 4096 ? nthreads : 1); /* below ~64K elements a second thread costs more than it saves */
+    return 0;
+}
+
+/* The fused product for few rows (decoding): y [m, n] = x [m, k] @ deq(W).T in fp32, W read packed and never
+ * dequantized to memory. x and y are contiguous fp32. Returns 0, or -1 on bad arguments. */
+int pact_nvfp4_linear(const uint8_t *qdata, int64_t q_stride, const uint8_t *scale, int64_t s_stride, float scale_2,
+                      int64_t n, int64_t k, const float *x, int64_t m, float *y, int scalar, int nthreads) {
+    float t32[256 * 16] __attribute__((aligned(64))), sc[256];
+    if (k <= 0 || k % 16 || n < 0 || m < 1 || nthreads < 1) return -1;
+    fp32_table(scale_2, t32, sc);
+    job_t j;
+    memset(&j, 0, sizeof j);
+    j.qdata = qdata, j.scale = scale, j.table = t32, j.q_stride = q_stride, j.s_stride = s_stride;
+    j.n = n, j.k = k, j.dtype = OUT_F32, j.scalar = scalar, j.x = x, j.y = y, j.m = m;
+    j.chunk = 64; /* rows of W a thread claims at a time */
+    j.nchunks = (n + j.chunk - 1) / j.chunk;
+    atomic_init(&j.next, 0);
+    run(&j, n * (k / 16) * m >= 4096 ? nthreads : 1);
     return 0;
 }

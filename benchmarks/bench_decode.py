@@ -1,0 +1,143 @@
+"""Decode speed: tokens per second generating on SmolLM2-135M-Instruct, batch 1, greedy.
+
+Arms, interleaved round by round (each round runs every arm once, in a rotated order): PACT (`PactModelForCausalLM`,
+torch backend, bf16, with an r=8 all-linear adapter: the user's case), the same PACT model again (the noise arm),
+transformers bf16 eager and fp32 eager on the dequantized-GGUF weights without an adapter, and llama.cpp through
+llama-cpp-python on the Q4_1 GGUF the default model comes from, when it is installed (`pip install
+llama-cpp-python==0.3.36`, which builds from source in about 6 minutes; otherwise the arm is reported missing).
+
+Decode speed excludes the prompt: (new_tokens - 1) / (time to generate new_tokens - time to generate 1).
+Prints one JSON line with medians over rounds and the ratios measured side by side.
+
+    python benchmarks/bench_decode.py --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from optimum_pact.cache import cache_dir
+from optimum_pact.commands.default_model import GGUF_MEMBER, WHEEL_FILENAME, ensure_default_model
+from optimum_pact.commands.modeling import PactModelForCausalLM
+
+
+def cpu_model() -> str:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    name = next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
+    return name + (" (AMX)" if "amx" in out.lower() else " (no AMX)")
+
+
+def timed_generate(model, ids: torch.Tensor, new: int) -> float:
+    start = time.perf_counter()
+    with torch.no_grad():
+        model.generate(input_ids=ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    return time.perf_counter() - start
+
+
+def decode_tps(model, ids: torch.Tensor, new: int) -> float:
+    first = timed_generate(model, ids, 1)
+    return (new - 1) / (timed_generate(model, ids, new) - first)
+
+
+def llama_cpp_arm(prompt: list[int], new: int, threads: int):
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    from llama_cpp import Llama
+
+    gguf = cache_dir("gguf") / Path(GGUF_MEMBER).name
+    if not gguf.is_file():
+        gguf.parent.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(cache_dir("wheels") / WHEEL_FILENAME) as zf:
+            gguf.write_bytes(zf.read(GGUF_MEMBER))
+    llm = Llama(model_path=str(gguf), n_threads=threads, n_ctx=512, verbose=False)
+
+    def run() -> float:
+        def timed(count):
+            llm.reset()
+            start = time.perf_counter()
+            for i, _ in enumerate(llm.generate(prompt, temp=0.0, top_k=1)):
+                if i + 1 >= count:
+                    break
+            return time.perf_counter() - start
+
+        first = timed(1)
+        return (new - 1) / (timed(new) - first)
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    args = parser.parse_args()
+    threads = torch.get_num_threads()
+    base = ensure_default_model()
+    ids = torch.randint(100, 40000, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
+    with tempfile.TemporaryDirectory() as tmp:
+        lora = get_peft_model(
+            AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16),
+            LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False),
+        )
+        lora.save_pretrained(tmp)
+        del lora
+        pact = PactModelForCausalLM.from_pretrained(str(base), adapter=tmp, dtype="bfloat16")
+    bf16 = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16).eval()
+    fp32 = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    arms = {
+        "pact": lambda: decode_tps(pact, ids, args.new_tokens),
+        "pact_dup": lambda: decode_tps(pact, ids, args.new_tokens),
+        "bf16": lambda: decode_tps(bf16, ids, args.new_tokens),
+        "fp32": lambda: decode_tps(fp32, ids, args.new_tokens),
+    }
+    llama = llama_cpp_arm(ids[0].tolist(), args.new_tokens, threads)
+    if llama is not None:
+        arms["llama_cpp"] = llama
+    tps = {name: [] for name in arms}
+    for r in range(args.rounds + 1):  # round 0 warms up
+        names = list(arms)
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            value = arms[name]()
+            if r:
+                tps[name].append(value)
+    med = {name: statistics.median(values) for name, values in tps.items()}
+    ratio = {"pact/bf16": med["pact"] / med["bf16"], "pact/fp32": med["pact"] / med["fp32"]}
+    ratio["dup/pact"] = med["pact_dup"] / med["pact"]
+    if "llama_cpp" in med:
+        ratio["pact/llama_cpp"] = med["pact"] / med["llama_cpp"]
+    print(
+        json.dumps(
+            {
+                "bench": "decode",
+                "cpu": cpu_model(),
+                "machine": platform.machine(),
+                "threads": threads,
+                "prompt_tokens": args.prompt_tokens,
+                "new_tokens": args.new_tokens,
+                "rounds": args.rounds,
+                "tokens_per_s_median": {k: round(v, 2) for k, v in med.items()},
+                "tokens_per_s_all": {k: [round(v, 2) for v in vs] for k, vs in tps.items()},
+                "ratios": {k: round(v, 3) for k, v in ratio.items()},
+                "llama_cpp": "measured" if "llama_cpp" in med else "not installed (pip install llama-cpp-python)",
+                "targets": {"pact_ge_bf16": ratio["pact/bf16"] >= 1.0},
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
