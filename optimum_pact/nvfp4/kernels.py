@@ -127,19 +127,27 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
-def dequantize_native(
-    qdata: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor, dtype: torch.dtype, scalar: bool = False
-) -> torch.Tensor:
-    """The C kernel on CPU tensors; `scalar=True` forces its portable (non-SIMD) code, for tests."""
+def _native_weight(qdata: torch.Tensor, scale: torch.Tensor) -> tuple[ctypes.CDLL, torch.Tensor, torch.Tensor]:
+    """The loaded kernel and the packed weight as it takes it (CPU, rows with a contiguous last dimension), after
+    checking the shapes and dtypes; shared by every native entry point."""
     lib = _native()
     if lib is None:
-        raise RuntimeError("the native NVFP4 dequantizer is not available")
+        raise RuntimeError("the native NVFP4 kernel is not available")
     n, half_k = qdata.shape
     qdata, scale = _last_dim_contiguous(qdata), _last_dim_contiguous(scale)
     if scale.shape != (n, half_k * 2 // BLOCK_SIZE) or half_k % (BLOCK_SIZE // 2):
         raise ValueError(f"NVFP4 shapes do not match: qdata {tuple(qdata.shape)}, scale {tuple(scale.shape)}")
     if not (qdata.is_cpu and scale.is_cpu and qdata.dtype == torch.uint8 and scale.element_size() == 1):
         raise TypeError(f"expected CPU uint8 qdata and e4m3 scale; got {qdata.dtype}, {scale.dtype} on {qdata.device}")
+    return lib, qdata, scale
+
+
+def dequantize_native(
+    qdata: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor, dtype: torch.dtype, scalar: bool = False
+) -> torch.Tensor:
+    """The C kernel on CPU tensors; `scalar=True` forces its portable (non-SIMD) code, for tests."""
+    lib, qdata, scale = _native_weight(qdata, scale)
+    n, half_k = qdata.shape
     out = torch.empty(n, half_k * 2, dtype=dtype)
     if out.numel() == 0:
         return out
@@ -157,15 +165,10 @@ def linear_native(
 ) -> torch.Tensor:
     """`x [m, k] @ deq(W).T` in fp32 for a few rows (decoding), reading the packed weight directly: no dequantized
     weight is written. Equals `x.float() @ dequantize_reference(...).T` up to the order of the fp32 additions."""
-    lib = _native()
-    if lib is None:
-        raise RuntimeError("the native NVFP4 kernel is not available")
+    lib, qdata, scale = _native_weight(qdata, scale)
     n, half_k = qdata.shape
-    qdata, scale = _last_dim_contiguous(qdata), _last_dim_contiguous(scale)
-    if scale.shape != (n, half_k * 2 // BLOCK_SIZE) or x.dim() != 2 or x.shape[1] != half_k * 2:
-        raise ValueError(
-            f"shapes do not match: qdata {tuple(qdata.shape)}, scale {tuple(scale.shape)}, x {tuple(x.shape)}"
-        )
+    if x.dim() != 2 or x.shape[1] != half_k * 2:
+        raise ValueError(f"x of shape {tuple(x.shape)} does not fit an NVFP4 weight of shape {(n, half_k * 2)}")
     x = x.detach().float().contiguous()
     out = torch.empty(x.shape[0], n, dtype=torch.float32)
     if out.numel() == 0:
