@@ -1,8 +1,10 @@
-"""Small file and process helpers shared by the model cache, the checkpoints, the output lock and the offloader."""
+"""Small file and process helpers shared by the model cache, the checkpoints, the output lock, the offloader and the
+readers of user-supplied config files."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -27,3 +29,22 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def read_json_object(path: str | Path, fix: str, label: str | None = None) -> dict:
+    """The JSON object in config file `path`. A file that cannot be read, is empty, is not JSON or holds something
+    else than an object is a ValueError saying which (`label`, default the path, leads it) and ending in `fix`."""
+    label = label or str(path)
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"{label} cannot be read ({err}); {fix}") from None
+    if not text.strip():
+        raise ValueError(f"{label} is empty (an interrupted save, download or copy?); {fix}")
+    try:
+        data = json.loads(text)
+    except ValueError as err:
+        raise ValueError(f"{label} is not valid JSON ({err}): it is damaged or cut short; {fix}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{label} does not hold a JSON object (it holds a {type(data).__name__}); {fix}")
+    return data

@@ -15,6 +15,7 @@ from torch import nn
 from optimum_pact.backends import Backend, get_backend
 from optimum_pact.dataflow import FrozenLinear
 from optimum_pact.errors import OptionError
+from optimum_pact.files import read_json_object
 from optimum_pact.precision.plan import PRECISIONS, check_plan
 
 from .layer import dispatch_pact
@@ -186,21 +187,10 @@ class PactConfig(LoraConfig, PactOptions):
 
 
 def _read_json_object(path: Path) -> dict:
-    """The JSON object in config file `path`; ValueError naming the file when it is damaged."""
-    fix = "copy the adapter folder again from where it was saved, or write it again with save_pretrained."
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"{path} cannot be read ({err}); {fix}") from None
-    if not text.strip():
-        raise ValueError(f"{path} is empty (an interrupted save or copy?); {fix}")
-    try:
-        data = json.loads(text)
-    except ValueError as err:
-        raise ValueError(f"{path} is not valid JSON ({err}): it is damaged or cut short; {fix}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} does not hold a JSON object (it holds a {type(data).__name__}); {fix}")
-    return data
+    """The JSON object in adapter config file `path`; ValueError naming the file when it is damaged."""
+    return read_json_object(
+        path, "copy the adapter folder again from where it was saved, or write it again with save_pretrained."
+    )
 
 
 def _download_sidecar(repo_id: str, subfolder: str | None, kwargs: dict, allow_missing: bool) -> Path | None:

@@ -24,6 +24,7 @@ from trainer_callbacks.lock import OutputDirLock
 from trainer_callbacks.resources import peak_rss_bytes
 
 from ..dataflow import FrozenLinear
+from ..files import read_json_object
 from .arguments import FinetuneRun
 from .data import format_example, load_personal_dataset
 from .data.generative import builtin_data, file_format, load_generative_dataset, prompt_ids, tokenize_generative
@@ -70,23 +71,7 @@ def check_model_folder(path: Path, given: str) -> None:
         "pass the folder of a causal language model written by save_pretrained (such as SmolLM2, Llama or Qwen2), "
         "or leave out --model to fine-tune the default model"
     )
-    try:
-        text = config_file.read_text()
-    except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"{where} cannot be read ({err}); {instead}.") from None
-    if not text.strip():
-        raise ValueError(
-            f"{where} is empty (an interrupted download or copy?); copy the model folder again, or {instead}."
-        )
-    try:
-        raw = json.loads(text)
-    except ValueError as err:
-        raise ValueError(
-            f"{where} is not valid JSON ({err}): it is damaged or cut short; copy the model folder again, or "
-            f"{instead}."
-        ) from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{where} does not hold a JSON object (it holds a {type(raw).__name__}); {instead}.")
+    raw = read_json_object(config_file, f"copy the model folder again, or {instead}.", label=where)
     try:
         config = AutoConfig.from_pretrained(str(path))
     except (OSError, ValueError, KeyError):
