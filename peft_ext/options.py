@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from optimum_pact.backends import BACKEND_CHOICES
@@ -113,15 +114,28 @@ def check_pact_options(owner, prefix: str = "") -> None:
         fail("adapt_top_blocks", f"applies to {prefix}adapt='speed'; set it or drop {prefix}adapt_top_blocks.")
 
 
-def prefixed_options(prefix: str, name: str) -> type:
-    """A dataclass of the `PactOptions` fields renamed `prefix + name`, with the same types, defaults and help, for
-    a dataclass that mixes them with other options (PactTrainingArguments). Check it with `check_pact_options`."""
-    hints = typing.get_type_hints(PactOptions)
-    spec = [
-        (prefix + f.name, hints[f.name], field(default=f.default, metadata=dict(f.metadata)))
-        for f in dataclasses.fields(PactOptions)
-    ]
+def derived_options(
+    name: str,
+    source: type = PactOptions,
+    names: Collection[str] | None = None,
+    prefix: str = "",
+    types: Mapping[str, object] | None = None,
+) -> type:
+    """A dataclass of `source`'s fields `names` (default: all) renamed `prefix + name`, with their types, defaults
+    and help texts, for a dataclass or parser that shows options declared elsewhere (PactTrainingArguments' pact_
+    fields, `pact finetune`'s LoRA flags, `pact generate`'s backend flags): one declaration stays one. `types`
+    replaces a field's type where the new place needs another (one string on a command line)."""
+    hints = typing.get_type_hints(source)
+    spec = []
+    for f in dataclasses.fields(source):
+        if names is not None and f.name not in names:
+            continue
+        default = (
+            {"default": f.default} if f.default is not dataclasses.MISSING else {"default_factory": f.default_factory}
+        )
+        kind = (types or {}).get(f.name, hints[f.name])
+        spec.append((prefix + f.name, kind, field(**default, metadata=dict(f.metadata))))
     return dataclasses.make_dataclass(name, spec)
 
 
-__all__ = ["ADAPT_CHOICES", "PactOptions", "check_pact_options", "prefixed_options"]
+__all__ = ["ADAPT_CHOICES", "PactOptions", "check_pact_options", "derived_options"]

@@ -9,14 +9,14 @@ from transformers import TrainingArguments
 
 from optimum_pact.errors import OptionError
 from optimum_pact.memory import MEMORY_SAVER_PRESETS, check_subset_k
-from peft_ext.options import PactOptions, check_pact_options, prefixed_options
+from peft_ext.options import PactOptions, check_pact_options, derived_options
 
 from .thermal import check_pacing_options
 
 MEMORY_SAVERS = tuple(MEMORY_SAVER_PRESETS)  # none, exact, full
 MODEL_PREFIX = "pact_"
 # PactOptions' fields (backend, AQLoRA, precision budget) as `pact_<name>`: declared once, in PactOptions
-PactModelArguments = prefixed_options(MODEL_PREFIX, "PactModelArguments")
+PactModelArguments = derived_options("PactModelArguments", prefix=MODEL_PREFIX)
 
 
 def check_memory_saver_options(

@@ -13,7 +13,6 @@ import argparse
 import dataclasses
 import difflib
 import json
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from transformers import HfArgumentParser
 from optimum_pact.backends.options import check_backend_choice
 from optimum_pact.errors import OptionError
 from peft_ext import PactConfig
+from peft_ext.options import derived_options
 from trainer_callbacks import PactTrainingArguments
 
 # LoRA's own fields that `pact finetune` exposes, with peft's types and help texts (not declared again here)
@@ -116,22 +116,8 @@ class FinetuneArguments:
     )
 
 
-def _lora_arguments() -> type:
-    """A dataclass of LoraConfig's `LORA_FIELDS`, with peft's own types, defaults and help texts."""
-    hints = typing.get_type_hints(LoraConfig)
-    fields = {f.name: f for f in dataclasses.fields(LoraConfig)}
-    spec = []
-    for name in LORA_FIELDS:
-        upstream = fields[name]
-        default = upstream.default if upstream.default is not dataclasses.MISSING else upstream.default_factory()
-        kind = hints[name]
-        if str in typing.get_args(kind):  # target_modules: a list or a string; on the command line, one string
-            kind = str | None
-        spec.append((name, kind, field(default=default, metadata=dict(upstream.metadata))))
-    return dataclasses.make_dataclass("LoraArguments", spec)
-
-
-LoraArguments = _lora_arguments()
+# LoraConfig's target_modules is a list or a string; on the command line it is one string
+LoraArguments = derived_options("LoraArguments", LoraConfig, LORA_FIELDS, types={"target_modules": str | None})
 DATACLASSES = (FinetuneArguments, LoraArguments, PactTrainingArguments)
 
 

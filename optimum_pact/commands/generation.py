@@ -10,13 +10,12 @@ options are `PactOptions`' own fields.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from dataclasses import dataclass, field
 
 from transformers import HfArgumentParser, TextStreamer
 
-from peft_ext.options import PactOptions
+from peft_ext.options import PactOptions, derived_options
 
 from .modeling import PactModelForCausalLM
 
@@ -38,12 +37,12 @@ class _GenerateOwn:
     dtype: str = field(default="bfloat16", metadata={"help": "Compute dtype.", "choices": ["bfloat16", "float32"]})
 
 
-_BACKEND_FIELDS = [f for f in dataclasses.fields(PactOptions) if f.name in ("backend", "backend_options")]
-GenerateArguments = dataclasses.make_dataclass(
-    "GenerateArguments",
-    [(f.name, f.type, field(default=f.default, metadata=dict(f.metadata))) for f in _BACKEND_FIELDS],
-    bases=(_GenerateOwn,),
-)
+BackendArguments = derived_options("BackendArguments", PactOptions, ("backend", "backend_options"))
+
+
+@dataclass
+class GenerateArguments(_GenerateOwn, BackendArguments):
+    """`pact generate` / `pact chat` options: their own, and PactOptions' backend ones."""
 
 
 def _adapters(values: list[str]) -> dict[str, str]:
