@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import yaml
 from peft import LoraConfig
 from transformers import HfArgumentParser
 
@@ -147,19 +148,12 @@ def read_run_file(path: str, parser: HfArgumentParser) -> dict:
     file = Path(path).expanduser()
     if not file.is_file():
         raise OptionError("config", f"config={path!r}: no such file; pass a .yaml, .yml or .json run file.")
-    text = file.read_text()
+    suffix = file.suffix.lower()
+    if suffix not in (".yaml", ".yml", ".json"):
+        raise OptionError("config", f"config={path!r}: the run file must end in .yaml, .yml or .json.")
     try:
-        if file.suffix.lower() in (".yaml", ".yml"):
-            import yaml
-
-            values = yaml.safe_load(text)
-        elif file.suffix.lower() == ".json":
-            values = json.loads(text)
-        else:
-            raise OptionError("config", f"config={path!r}: the run file must end in .yaml, .yml or .json.")
-    except (ValueError, ImportError) as err:
-        if isinstance(err, OptionError):
-            raise
+        values = json.loads(file.read_text()) if suffix == ".json" else yaml.safe_load(file.read_text())
+    except (ValueError, yaml.YAMLError) as err:
         raise OptionError("config", f"config={path!r} could not be read: {err}") from None
     if values is None:
         return {}
@@ -180,11 +174,10 @@ def read_run_file(path: str, parser: HfArgumentParser) -> dict:
 def typed_options(parser: HfArgumentParser, argv: list[str]) -> dict[str, str]:
     """Option name -> the flag the user typed for it."""
     typed = {}
-    for token in argv:
-        if token.startswith("--"):
-            action = parser._option_string_actions.get(token.split("=", 1)[0])
-            if action is not None:
-                typed[action.dest] = token.split("=", 1)[0]
+    for flag in (token.split("=", 1)[0] for token in argv if token.startswith("--")):
+        action = parser._option_string_actions.get(flag)
+        if action is not None:
+            typed[action.dest] = flag
     return typed
 
 

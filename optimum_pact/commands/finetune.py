@@ -140,13 +140,14 @@ def finetune(run: FinetuneRun) -> FinetuneSummary:
 
 def _finetune(run: FinetuneRun) -> FinetuneSummary:
     job, config, args = run.job, run.config, run.args
-    if job.data is not None and not Path(job.data).exists() and builtin_data(job.data) is not None:
-        job.data = str(builtin_data(job.data))  # a built-in example file: chat, prompt_completion, text
-    form = "labelled" if job.data is None else file_format(job.data)  # validate the data before any slow work
+    data = job.data
+    if data is not None and not Path(data).exists() and builtin_data(data) is not None:
+        data = builtin_data(data)  # a built-in example file: chat, prompt_completion, text
+    form = "labelled" if data is None else file_format(data)  # validate the data before any slow work
     if form == "labelled":
-        train_items, heldout_items = load_personal_dataset(job.data)
+        train_items, heldout_items = load_personal_dataset(data)
     else:
-        generative = load_generative_dataset(job.data)
+        generative = load_generative_dataset(data)
         train_items, heldout_items = generative.train, generative.heldout
     backend = config.get_backend()  # the model's one backend: a qnn that cannot start fails here, before loading
     model_path = resolve_model(job.model)
@@ -173,7 +174,10 @@ def _finetune(run: FinetuneRun) -> FinetuneSummary:
     collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
     held_out = _HeldOut(form, tokenizer, train_items, heldout_items, collator)
     before = held_out.measure(base)
-    train_rows = tokenize_examples(tokenizer, train_items) if form == "labelled" else held_out.rows(train_items)
+    if form == "labelled":
+        train_rows = tokenize_examples(tokenizer, train_items)
+    else:
+        train_rows = tokenize_generative(tokenizer, train_items, form)
     if config.precision_budget_mib is not None and config.precision_plan is None:
         torch.manual_seed(args.seed)
         batch = collator(train_rows[: args.per_device_train_batch_size])
@@ -256,12 +260,9 @@ class _HeldOut:
             self.labels = sorted({item["label"] for item in train + heldout})
             self.prompt = tokenizer(format_example(heldout[0]["text"], heldout[0]["label"])[0])["input_ids"]
         else:
-            self.heldout_rows = self.rows(heldout)
+            self.heldout_rows = tokenize_generative(tokenizer, heldout, form)
             self.prompt = prompt_ids(tokenizer, heldout[0], form)
         self.example_text = tokenizer.decode(self.prompt, skip_special_tokens=True)
-
-    def rows(self, items: list[dict]) -> list[dict]:
-        return tokenize_generative(self.tokenizer, items, self.form)
 
     def measure(self, model) -> dict:
         if self.form == "labelled":
