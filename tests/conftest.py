@@ -59,6 +59,7 @@ def small_model(tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("small_model")
     tokenizer = AutoTokenizer.from_pretrained(ensure_default_model())
+    torch.manual_seed(0)  # the same weights every session: tests that train on it are not at the mercy of the draw
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,

@@ -103,7 +103,7 @@ def test_plain_text_is_learned_whole(tokenizer):
 def test_main_job_on_prompt_completion_reports_loss_perplexity_and_answers(small_model, tmp_path, capsys):
     data = _write(tmp_path, [{"prompt": f"Q{i}: colour?\nA:", "completion": " blue"} for i in range(10)])
     out = tmp_path / "run"
-    args = ["finetune", "--model", str(small_model), "--data", str(data), "--output", str(out), "--max-steps", "15"]
+    args = ["finetune", "--model", str(small_model), "--data", str(data), "--output", str(out), "--max-steps", "30"]
     assert main([*args, "--dtype", "float32", "--learning_rate", "0.05"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["data_format"] == "prompt_completion" and summary["accuracy_before"] is None
