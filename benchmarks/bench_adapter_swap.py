@@ -1,10 +1,11 @@
 """Several people's adapters on one NVFP4 base: resident memory per extra adapter and the time to switch.
 
-Trains nothing: it loads the default model (SmolLM2-135M-Instruct) on the NVFP4 base with `PactModelForCausalLM`,
-then adds `--adapters` LoRA adapters (r=8 on every linear, as `pact finetune` makes them; random weights, written to
-a temporary folder by a child process) one at a time, reading this process's resident memory (VmRSS, mapped pages
-included) after each, and times `set_adapter` between them. Prints one JSON line. The resident growth per adapter can
-be below the adapter's own tensor bytes (also printed): the allocator reuses pages freed while the base loaded.
+Trains nothing: it loads the default model (SmolLM2-135M-Instruct) on the NVFP4 base with `PactModelForCausalLM`, then
+adds `--adapters` LoRA adapters (r=8 on every linear, as `pact finetune` makes them; random weights, written to a
+temporary folder by a child process) one at a time, reading this process's resident memory (VmRSS, mapped pages
+included) after each, and times `set_adapter` between them (twice, interleaved: the second series is the noise arm).
+Prints one JSON line. The resident growth per adapter can be below the adapter's own tensor bytes (also printed): the
+allocator reuses pages freed while the base loaded.
 
     python benchmarks/bench_adapter_swap.py --adapters 4
 """
@@ -29,10 +30,9 @@ from transformers import AutoModelForCausalLM
 from optimum_pact.commands.default_model import ensure_default_model
 from optimum_pact.commands.modeling import PactModelForCausalLM
 
-
-def rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_decode import cpu_model  # noqa: E402  (lscpu's model and whether AMX is there)
+from bench_memory import _status_bytes  # noqa: E402  (the /proc/self/status reader, one copy)
 
 
 def save_adapters(base: Path, count: int, folder: Path) -> list[Path]:
@@ -64,22 +64,23 @@ def main() -> None:
         subprocess.run([sys.executable, __file__, "--adapters", str(args.adapters), "--save-to", tmp], check=True)
         paths = [Path(tmp) / f"person{i}" for i in range(args.adapters)]
         model = PactModelForCausalLM.from_pretrained(str(base))
-        rss = [rss_bytes()]
+        rss = [_status_bytes("VmRSS")]
         for i, path in enumerate(paths):
             model.load_adapter(path, f"person{i}")
-            rss.append(rss_bytes())
+            rss.append(_status_bytes("VmRSS"))
         weights_mib = sum(p.numel() * p.element_size() for n, p in model.model.named_parameters() if "lora_" in n)
-        switch_ms = []
-        for k in range(args.switches):
+        switch_ms, dup_ms = [], []  # the same switches timed in two interleaved series: the second is the noise arm
+        for k in range(2 * args.switches):
             start = time.perf_counter()
-            model.set_adapter(f"person{k % args.adapters}")
-            switch_ms.append(1000 * (time.perf_counter() - start))
+            model.set_adapter(f"person{k // 2 % args.adapters}")
+            (switch_ms if k % 2 == 0 else dup_ms).append(1000 * (time.perf_counter() - start))
     steps = [(b - a) / 2**20 for a, b in zip(rss[1:], rss[2:])]  # the first adapter also wraps the model
     print(
         json.dumps(
             {
                 "bench": "adapter_swap",
-                "machine": platform.processor() or platform.machine(),
+                "cpu": cpu_model(),
+                "machine": platform.machine(),
                 "threads": torch.get_num_threads(),
                 "cpus": os.cpu_count(),
                 "adapters": args.adapters,
@@ -89,6 +90,7 @@ def main() -> None:
                 "adapter_weights_mib_each": round(weights_mib / 2**20 / args.adapters, 2),
                 "switch_ms_median": round(statistics.median(switch_ms), 3),
                 "switch_ms_max": round(max(switch_ms), 3),
+                "noise_arm_ratio": round(statistics.median(dup_ms) / statistics.median(switch_ms), 3),
             }
         )
     )
