@@ -26,7 +26,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq
 from optimum_pact.commands.data import load_personal_dataset
 from optimum_pact.commands.default_model import DEFAULT_MODEL_HUB_ID, DEFAULT_MODEL_NOTE
 from optimum_pact.commands.evaluation import accuracy, classify
-from optimum_pact.commands.finetune import resolve_model, tokenize_examples
+from optimum_pact.commands.finetune import tokenize_examples
+from optimum_pact.commands.model_folder import resolve_model
 from peft_ext import PactConfig
 from trainer_callbacks import PactTrainer, PactTrainingArguments
 from trainer_callbacks.model_card import write_model_card

@@ -21,6 +21,7 @@ from peft import LoraConfig, PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..quantizer import PactQuantizationConfig
+from .model_folder import resolve_model
 
 FORMATS = ("merged-bf16",)
 
@@ -37,8 +38,6 @@ class ExportArguments:
 
 def export_merged(adapter: str | Path, output: str | Path, base: str | None = None, dtype=torch.bfloat16) -> Path:
     """Write base (NVFP4, dequantized) + adapter merged as a plain transformers folder at `output`; returns it."""
-    from .finetune import resolve_model
-
     adapter, output = Path(adapter), Path(output)
     if not (adapter / "adapter_config.json").is_file():
         raise FileNotFoundError(

@@ -20,6 +20,7 @@ from peft_ext import PactConfig
 
 from ..dataflow import FrozenLinear
 from ..quantizer import PactQuantizationConfig
+from .model_folder import resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,6 @@ class PactModelForCausalLM:
     ) -> PactModelForCausalLM:
         """Load `base` (a model folder or Hub id; None: the default model) on the NVFP4 base with `backend`, then
         `adapter`: a folder, or {name: folder} for several (the first is active)."""
-        from .finetune import resolve_model
-
         path = resolve_model(base)
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         quantization = PactQuantizationConfig(backend=backend, backend_options=backend_options)
