@@ -117,7 +117,8 @@ class PactModelForCausalLM:
 
     def generate(self, *args, **kwargs):
         """transformers' `generate` on the model with the active adapter (greedy unless `do_sample=True`)."""
-        kwargs.setdefault("pad_token_id", self.tokenizer.pad_token_id or self.tokenizer.eos_token_id)
+        pad = self.tokenizer.pad_token_id
+        kwargs.setdefault("pad_token_id", pad if pad is not None else self.tokenizer.eos_token_id)  # id 0 is an id
         with torch.no_grad():
             return self.model.generate(*args, **kwargs)
 
