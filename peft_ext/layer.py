@@ -46,17 +46,34 @@ class PactLoraLinear(LoraLinear):
             self.pact_pending.finalize()
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        adapter = self._overlap_adapter(args, kwargs)
-        if adapter is None:
+        adapter = self._plain_adapter(args, kwargs)
+        if adapter is not None and not torch.is_grad_enabled():
+            y = self._fused_forward(x, adapter)
+            if y is not None:
+                return y
+        if adapter is None or not self.pact_overlap:
             return super().forward(x, *args, **kwargs)
         base = self.get_base_layer()
         lora_a, lora_b = self.lora_A[adapter].weight, self.lora_B[adapter].weight
         scaling = self.scaling[adapter]
         return LoraFrozenProduct.apply(x, lora_a, lora_b, scaling, base.backend, base.handle, base.bias)
 
-    def _overlap_adapter(self, args, kwargs) -> str | None:
-        """The one active vanilla-LoRA adapter the overlapped path can run, or None (peft's own path)."""
-        if not self.pact_overlap or args or kwargs or self.disable_adapters or self.merged:
+    def _fused_forward(self, x: torch.Tensor, adapter: str) -> torch.Tensor | None:
+        """Inference: the frozen product and the adapter's term in one backend call where the backend fuses them
+        (the torch backend when decoding); None otherwise. Spares peft's per-layer dispatch and casts per token."""
+        base = self.get_base_layer()
+        forward_lora = getattr(base.backend, "forward_lora", None)
+        if forward_lora is None:
+            return None
+        lora_a, lora_b = self.lora_A[adapter].weight, self.lora_B[adapter].weight
+        y = forward_lora(x, base.handle, lora_a, lora_b, self.scaling[adapter])
+        if y is None or base.bias is None:
+            return y
+        return y + base.bias.to(y.dtype)
+
+    def _plain_adapter(self, args, kwargs) -> str | None:
+        """The one active vanilla-LoRA adapter the overlapped and fused paths can run, or None (peft's own path)."""
+        if args or kwargs or self.disable_adapters or self.merged:
             return None
         if not isinstance(self.get_base_layer(), FrozenLinear):
             return None
@@ -64,7 +81,8 @@ class PactLoraLinear(LoraLinear):
         if len(active) != 1:
             return None
         (adapter,) = active
-        if adapter in self.lora_variant or not isinstance(self.lora_dropout[adapter], nn.Identity):
+        dropout = self.lora_dropout[adapter]
+        if adapter in self.lora_variant or (not isinstance(dropout, nn.Identity) and dropout.training):
             return None
         return adapter
 

@@ -121,11 +121,14 @@ def test_empty_and_threads(path):
 
 @needs_native
 def test_native_is_used_here(monkeypatch):
-    """CI runs on an AVX-512 Linux box with gcc: the native kernel must build and serve CPU tensors."""
+    """CI runs on x86_64 Linux with gcc: the native kernel must build, with the widest SIMD path the CPU has."""
     monkeypatch.delenv("PACT_DISABLE_NATIVE", raising=False)
     assert kernels.native_available()
-    if platform.machine() == "x86_64" and "avx512bw" in Path("/proc/cpuinfo").read_text():
+    flags = Path("/proc/cpuinfo").read_text() if platform.machine() == "x86_64" else ""
+    if "avx512bw" in flags:
         assert kernels._native().pact_nvfp4_has_avx512() == 1
+    elif " avx2" in flags:  # a CPU without AVX-512 gets the AVX2 path, not the portable one
+        assert kernels._native().pact_nvfp4_has_avx2() == 1
 
     def forbidden(*args, **kwargs):
         raise AssertionError("the torch path ran although the native kernel is available")
@@ -271,17 +274,29 @@ def test_threads_concurrent_callers_and_fork():
 @needs_native
 @pytest.mark.parametrize("scalar", [False, True])
 @pytest.mark.parametrize(("rows", "n", "k"), [(1, 80, 96), (3, 1536, 576), (8, 64, 4864)])
-def test_fused_linear_equals_the_reference_up_to_fp32_summation_order(scalar, rows, n, k):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rank", [0, 8])
+def test_fused_linear_equals_the_reference_up_to_fp32_summation_order(scalar, rows, n, k, dtype, rank):
     from optimum_pact.nvfp4.kernels import linear_native
 
     torch.manual_seed(rows + n)
     q = quantize(torch.randn(n, k) * torch.rand(n, 1) * 3)
-    x = torch.randn(rows, k)
-    expected = x.double() @ dequantize_reference(q.qdata, q.scale, q.scale_2, torch.float64).T  # exact sums
-    got = linear_native(q.qdata, q.scale, q.scale_2, x, scalar=scalar)
-    assert got.dtype == torch.float32 and got.shape == (rows, n)
-    bound = 4 * k * torch.finfo(torch.float32).eps * (x.abs().double() @ q.dequantize(torch.float64).abs().T)
-    assert ((got.double() - expected).abs() <= bound).all()  # the fp32 rounding error of a k-term sum, no more
+    x = torch.randn(rows, k).to(dtype)
+    w = q.dequantize(torch.float64)
+    expected = x.double() @ w.T  # exact sums
+    magnitude = x.abs().double() @ w.abs().T
+    lora = None
+    if rank:  # the adapter's term, added in the same pass before the one rounding
+        a, b, scaling = torch.randn(rank, k) / k**0.5, torch.randn(n, rank), 0.5
+        lora = (a, b, scaling)
+        xa = scaling * (x.double() @ a.double().T)
+        expected = expected + xa @ b.double().T
+        magnitude = magnitude + (scaling * (x.abs().double() @ a.abs().double().T)) @ b.abs().double().T
+    got = linear_native(q.qdata, q.scale, q.scale_2, x, lora=lora, scalar=scalar)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    bound = 4 * (k + rank) * torch.finfo(torch.float32).eps * magnitude  # the fp32 rounding error of the sums
+    bound = bound + torch.finfo(dtype).eps / 2 * (expected.abs() + bound)  # and the one rounding into x's dtype
+    assert ((got.double() - expected).abs() <= bound).all()
 
 
 @needs_native

@@ -74,9 +74,39 @@ def test_overlap_defaults_follow_the_backend_and_dropout_takes_peft_path():
         tiny_model("llama"), PactConfig(r=4, target_modules=["q_proj"], lora_dropout=0.1, overlap=True)
     )
     layer = next(m for m in model.modules() if isinstance(m, PactLoraLinear))
-    assert layer._overlap_adapter((), {}) is None
+    assert layer._plain_adapter((), {}) is None  # dropout while training: peft's own path
+    layer.eval()
+    assert layer._plain_adapter((), {}) == "default"  # in eval mode dropout does nothing
     with pytest.raises(ValueError, match="overlap='yes'"):
         PactConfig(overlap="yes")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decoding_runs_product_and_adapter_in_one_fused_call_equal_to_peft(arch, dtype, monkeypatch):
+    from peft.tuners.lora import Linear as LoraLinear
+
+    from optimum_pact.backends import torch_backend
+
+    calls = []
+    real = torch_backend.linear_native
+    spy = lambda *a, **kw: calls.append(kw.get("lora")) or real(*a, **kw)  # noqa: E731
+    monkeypatch.setattr(torch_backend, "linear_native", spy)
+    config = PactConfig(r=4, target_modules="all-linear", init_lora_weights=False)
+    model = get_peft_model(tiny_model(arch), config)  # qwen2: q, k, v with bias
+    model = model.to(dtype).eval()
+    layers = [m for m in model.modules() if isinstance(m, PactLoraLinear)]
+    x = torch.randn(1, 2, 64, dtype=dtype)
+    for layer in layers[:4]:  # q, k, v (with bias on qwen2), o
+        calls.clear()
+        with torch.no_grad():
+            fused = layer(x)
+            assert len(calls) == 1 and calls[0] is not None  # one native call, the adapter's term inside it
+            reference = LoraLinear.forward(layer, x)  # peft's own: the frozen product, then the adapter
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # peft rounds the product to bf16 before the adapter
+        torch.testing.assert_close(fused, reference, rtol=tolerance, atol=tolerance)
+    calls.clear()
+    fused = layers[0](x)  # training (autograd on): peft's path, the product dequantized as in training
+    assert all(lora is None for lora in calls)
 
 
 @pytest.mark.skipif(not qnn_module.is_qnn_available(), reason="needs onnxruntime-qnn (optimum-pact[qnn])")

@@ -58,14 +58,39 @@ class TorchBackend:
         self.counts["input_grad"] += 1
         return self._input_grad(dy, handle)
 
+    def forward_lora(
+        self, x: torch.Tensor, handle: NVFP4Tensor | torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+        scaling: float,
+    ) -> torch.Tensor | None:  # fmt: skip
+        """`forward(x) + scaling * (x @ A.T) @ B.T` in the one fused native pass when the product is fused (see
+        `_fused`), with a single rounding into x's dtype; None otherwise: the caller then runs the two apart."""
+        if not self._fused(x, handle):
+            return None
+        self.counts["forward"] += 1
+        n, k = handle.shape
+        y = linear_native(handle.qdata, handle.scale, handle.scale_2, x.reshape(-1, k), lora=(lora_a, lora_b, scaling))
+        return y.reshape(*x.shape[:-1], n)
+
+    @staticmethod
+    def _fused(x: torch.Tensor, handle: NVFP4Tensor | torch.Tensor) -> bool:
+        """Inference (no autograd) on a few rows of an NVFP4 weight on the CPU, i.e. decoding: one pass over the
+        packed weight, fp32 sums, never a dequantized weight in memory."""
+        return (
+            isinstance(handle, NVFP4Tensor)
+            and x.is_cpu
+            and not torch.is_grad_enabled()
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and x.numel() <= FUSED_MAX_ROWS * handle.shape[1]
+            and native_available()
+        )
+
     def _forward(self, x: torch.Tensor, handle: NVFP4Tensor | torch.Tensor) -> torch.Tensor:
         if isinstance(handle, torch.Tensor):
             return x @ handle.to(x.dtype).t()
         n, k = handle.shape
-        if x.is_cpu and not torch.is_grad_enabled() and x.numel() <= FUSED_MAX_ROWS * k and native_available():
-            # inference on a few rows (decoding): one fused pass over the packed weight, in fp32
+        if self._fused(x, handle):
             y = linear_native(handle.qdata, handle.scale, handle.scale_2, x.reshape(-1, k))
-            return y.to(x.dtype).reshape(*x.shape[:-1], n)
+            return y.reshape(*x.shape[:-1], n)
         tile = self.tile_size or n
         if tile >= n:
             return x @ dequantize(handle.qdata, handle.scale, handle.scale_2, x.dtype).t()

@@ -98,8 +98,9 @@ def _build() -> ctypes.CDLL:
     lib.pact_nvfp4_dequantize.argtypes = [ptr, i64, ptr, i64, ctypes.c_float, i64, i64, ptr] + [ctypes.c_int] * 3
     lib.pact_nvfp4_dequantize.restype = ctypes.c_int
     lib.pact_nvfp4_has_avx512.restype = ctypes.c_int
+    lib.pact_nvfp4_has_avx2.restype = ctypes.c_int
     lib.pact_nvfp4_linear.argtypes = [ptr, i64, ptr, i64, ctypes.c_float, i64, i64, ptr, i64, ptr, ctypes.c_int]
-    lib.pact_nvfp4_linear.argtypes += [ctypes.c_int]
+    lib.pact_nvfp4_linear.argtypes += [ptr, ptr, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.pact_nvfp4_linear.restype = ctypes.c_int
     return lib
 
@@ -161,21 +162,41 @@ def dequantize_native(
 
 
 def linear_native(
-    qdata: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor, x: torch.Tensor, scalar: bool = False
+    qdata: torch.Tensor,
+    scale: torch.Tensor,
+    scale_2: torch.Tensor,
+    x: torch.Tensor,
+    lora: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    scalar: bool = False,
 ) -> torch.Tensor:
-    """`x [m, k] @ deq(W).T` in fp32 for a few rows (decoding), reading the packed weight directly: no dequantized
-    weight is written. Equals `x.float() @ dequantize_reference(...).T` up to the order of the fp32 additions."""
+    """`x [m, k] @ deq(W).T` for a few rows (decoding), reading the packed weight directly: no dequantized weight is
+    written. Sums run in fp32 and the result is rounded once into x's dtype (fp32, bf16 or fp16). Equals
+    `x.float() @ dequantize_reference(...).T` up to the order of the fp32 additions.
+
+    `lora=(A [r, k], B [n, r], scaling)` adds a LoRA adapter's term in the same pass, before the rounding:
+    `+ scaling * (x @ A.T) @ B.T`, all in fp32 (A and B are used in fp32)."""
     lib, qdata, scale = _native_weight(qdata, scale)
-    n, half_k = qdata.shape
-    if x.dim() != 2 or x.shape[1] != half_k * 2:
-        raise ValueError(f"x of shape {tuple(x.shape)} does not fit an NVFP4 weight of shape {(n, half_k * 2)}")
-    x = x.detach().float().contiguous()
-    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    n, k = qdata.shape[0], qdata.shape[1] * 2
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"x of shape {tuple(x.shape)} does not fit an NVFP4 weight of shape {(n, k)}")
+    if x.dtype not in _DTYPES:
+        raise TypeError(f"x must be fp32, bf16 or fp16, not {x.dtype}")
+    x = x.detach().contiguous()
+    a = b = None
+    rank, scaling = 0, 1.0
+    if lora is not None:
+        a, b, scaling = lora
+        a, b = a.detach().float().contiguous(), b.detach().float().contiguous()
+        rank = a.shape[0]
+        if a.shape != (rank, k) or b.shape != (n, rank):
+            raise ValueError(f"LoRA A {tuple(a.shape)} / B {tuple(b.shape)} do not fit a weight of shape {(n, k)}")
+    out = torch.empty(x.shape[0], n, dtype=x.dtype)
     if out.numel() == 0:
         return out
     status = lib.pact_nvfp4_linear(
-        qdata.data_ptr(), qdata.stride(0), scale.data_ptr(), scale.stride(0), float(scale_2), n, half_k * 2,
-        x.data_ptr(), x.shape[0], out.data_ptr(), int(scalar), torch.get_num_threads(),
+        qdata.data_ptr(), qdata.stride(0), scale.data_ptr(), scale.stride(0), float(scale_2), n, k,
+        x.data_ptr(), x.shape[0], out.data_ptr(), _DTYPES[x.dtype], a.data_ptr() if a is not None else None,
+        b.data_ptr() if b is not None else None, rank, float(scaling), int(scalar), torch.get_num_threads(),
     )  # fmt: skip
     if status != 0:
         raise RuntimeError(f"native NVFP4 linear rejected its arguments (status {status})")

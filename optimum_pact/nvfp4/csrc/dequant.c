@@ -11,18 +11,23 @@
  * the table of all 256 x 16 possible outputs, already in the output dtype (8 KiB bf16/fp16, 16 KiB fp32: stays in
  * L1), with the reference's own operations. Dequantizing is then pure look-up: with AVX-512, two blocks' 16-entry
  * rows form one 32-word table and a single vpermw turns 16 packed bytes into 32 bf16/fp16 values (vpermps and 16
- * values per block for fp32). The portable path does the same look-ups one element at a time.
+ * values per block for fp32). Without AVX-512, AVX2 does the same with vpermps / pshufb on half-rows. The portable
+ * path does the same look-ups one element at a time.
  *
  * Threads: an OpenMP team whose threads claim chunks of rows; see run() for how it copes with a busy machine.
  */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime */
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define PACT_AVX512 1
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define PACT_AVX2 1
 #endif
 
 enum { OUT_F32 = 0, OUT_BF16 = 1, OUT_F16 = 2 };
@@ -65,6 +70,16 @@ static uint16_t f32_to_f16(float f) {
         q += (rem > half) || (rem == half && (q & 1u));
         return (uint16_t)(sign | q);
     }
+}
+
+/* 16-bit input -> fp32 (exact): bf16 is the top half of an fp32; fp16 normals, subnormals and inf/NaN rebased. */
+static float bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
+
+static float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
+    if (e == 0) return bits_f32(f32_bits((float)m * 0x1p-24f) | sign);
+    if (e == 31) return bits_f32(sign | 0x7F800000u | (m << 13));
+    return bits_f32(sign | ((e + 112) << 23) | (m << 13));
 }
 
 /* One row, portable code: out[j] = table[scale byte][code]. */
@@ -118,18 +133,82 @@ static inline __attribute__((always_inline)) void row_avx512(const uint8_t *q, c
 }
 #endif
 
+#ifdef PACT_AVX2
+/* Look up 8 values of a 16-entry fp32 table row (lo: entries 0-7, hi: 8-15): vpermps reads the low 3 bits of
+ * each index, bit 3 picks the half. */
+static inline __attribute__((always_inline)) __m256 lookup16(__m256 lo, __m256 hi, __m256i idx) {
+    const __m256 a = _mm256_permutevar8x32_ps(lo, idx), b = _mm256_permutevar8x32_ps(hi, idx);
+    return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+}
+
+/* A block's 8 packed bytes -> its 16 codes as two sets of 8 dword indices, in element order. */
+static inline __attribute__((always_inline)) void codes16(const uint8_t *q, __m256i *first, __m256i *second) {
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4), nibble = _mm256_set1_epi32(0xF);
+    const __m128i bytes = _mm_loadl_epi64((const __m128i *)q), twice = _mm_unpacklo_epi8(bytes, bytes);
+    *first = _mm256_and_si256(_mm256_srlv_epi32(_mm256_cvtepu8_epi32(twice), shifts), nibble);
+    *second = _mm256_and_si256(_mm256_srlv_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(twice, 8)), shifts), nibble);
+}
+
+/* One row with AVX2. fp32: two 8-value look-ups per block. bf16 / fp16: `split` holds each table row's low bytes
+ * then its high bytes (32 bytes a scale), so pshufb looks up 16 codes' low and high bytes at once. */
+static inline __attribute__((always_inline)) void row_avx2(const uint8_t *q, const uint8_t *s, const void *table,
+                                                           const uint8_t *split, int64_t nblocks, void *out,
+                                                           int dtype) {
+    if (dtype == OUT_F32) {
+        for (int64_t b = 0; b < nblocks; b++) {
+            const float *t = (const float *)table + 16 * s[b];
+            const __m256 lo = _mm256_loadu_ps(t), hi = _mm256_loadu_ps(t + 8);
+            __m256i first, second;
+            codes16(q + b * 8, &first, &second);
+            _mm256_storeu_ps((float *)out + b * 16, lookup16(lo, hi, first));
+            _mm256_storeu_ps((float *)out + b * 16 + 8, lookup16(lo, hi, second));
+        }
+        return;
+    }
+    const __m128i nibble = _mm_set1_epi8(0xF);
+    for (int64_t b = 0; b < nblocks; b++) {
+        const __m128i bytes = _mm_loadl_epi64((const __m128i *)(q + b * 8));
+        const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(bytes, nibble),
+                                                _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble));
+        const __m128i lo = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(split + 32 * s[b])), codes);
+        const __m128i hi = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(split + 32 * s[b] + 16)), codes);
+        _mm_storeu_si128((__m128i *)((uint16_t *)out + b * 16), _mm_unpacklo_epi8(lo, hi));
+        _mm_storeu_si128((__m128i *)((uint16_t *)out + b * 16 + 8), _mm_unpackhi_epi8(lo, hi));
+    }
+}
+#endif
+
 /* A call's work: rows [0, n) in chunks of ~16K elements, claimed by the threads through `next`. */
 typedef struct {
     const uint8_t *qdata, *scale;
     const void *table;
+    const uint8_t *split; /* AVX2, 16-bit outputs: the table's low and high bytes, 32 bytes a scale */
     void *out;
     int64_t q_stride, s_stride, n, k, chunk, nchunks;
     int dtype, scalar;
     const float *x; /* fused product (pact_nvfp4_linear): m input rows [m, k], output y [m, n]; x == NULL: dequantize */
-    float *y;
+    void *y;        /* in `dtype` */
     int64_t m;
+    const float *xa, *lora_b; /* optional LoRA term: xa = scaling * x @ A.T [m, rank], lora_b = B [n, rank] */
+    int64_t rank;
     atomic_llong next; /* the next chunk to claim */
 } job_t;
+
+/* sum_t a[t] * b[t] in 16 fp32 lanes summed at the end (the compiler vectorizes the lanes; no reassociation). */
+static float dot(const float *a, const float *b, int64_t len) {
+    float acc[16] = {0}, sum = 0.0f;
+    int64_t t = 0;
+    for (; t + 16 <= len; t += 16)
+        for (int c = 0; c < 16; c++) acc[c] += a[t + c] * b[t + c];
+    for (; t < len; t++) acc[t % 16] += a[t] * b[t];
+    for (int c = 0; c < 16; c++) sum += acc[c];
+    return sum;
+}
+
+static void store(void *y, int64_t at, float v, int dtype) {
+    if (dtype == OUT_F32) ((float *)y)[at] = v;
+    else ((uint16_t *)y)[at] = dtype == OUT_BF16 ? f32_to_bf16(v) : f32_to_f16(v);
+}
 
 /* y[i, r] = sum_k x[i, k] * w[r, k] for the m rows of x, one weight row r at a time, the weight never written out:
  * each block's 16 values come from the fp32 table, are multiplied by x and added into 16 fp32 lanes (portable: 16
@@ -151,7 +230,29 @@ static void linear_row(const job_t *j, int64_t r) {
                 __m512 w = _mm512_permutexvar_ps(idx, _mm512_loadu_ps(table + 16 * s[b]));
                 acc = _mm512_add_ps(acc, _mm512_mul_ps(w, _mm512_loadu_ps(x + b * 16)));
             }
-            j->y[i * j->n + r] = _mm512_reduce_add_ps(acc);
+            sum = _mm512_reduce_add_ps(acc);
+            if (j->lora_b != NULL) sum += dot(j->xa + i * j->rank, j->lora_b + r * j->rank, j->rank);
+            store(j->y, i * j->n + r, sum, j->dtype);
+            continue;
+        }
+#endif
+#ifdef PACT_AVX2
+        if (!j->scalar) { /* the portable loop's 16 lanes in two registers, summed in the same order: bit-identical */
+            __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+            float lanes[16];
+            for (int64_t b = 0; b < nblocks; b++) {
+                const float *t = table + 16 * s[b];
+                const __m256 lo = _mm256_loadu_ps(t), hi = _mm256_loadu_ps(t + 8);
+                __m256i first, second;
+                codes16(q + b * 8, &first, &second);
+                acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(lookup16(lo, hi, first), _mm256_loadu_ps(x + b * 16)));
+                acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(lookup16(lo, hi, second), _mm256_loadu_ps(x + b * 16 + 8)));
+            }
+            _mm256_storeu_ps(lanes, acc0);
+            _mm256_storeu_ps(lanes + 8, acc1);
+            for (int c = 0; c < 16; c++) sum += lanes[c];
+            if (j->lora_b != NULL) sum += dot(j->xa + i * j->rank, j->lora_b + r * j->rank, j->rank);
+            store(j->y, i * j->n + r, sum, j->dtype);
             continue;
         }
 #endif
@@ -164,7 +265,8 @@ static void linear_row(const job_t *j, int64_t r) {
             }
         }
         for (int c = 0; c < 16; c++) sum += acc[c];
-        j->y[i * j->n + r] = sum;
+        if (j->lora_b != NULL) sum += dot(j->xa + i * j->rank, j->lora_b + r * j->rank, j->rank);
+        store(j->y, i * j->n + r, sum, j->dtype);
     }
 }
 
@@ -184,6 +286,13 @@ static void work(job_t *j) {
             if (!j->scalar) {
                 if (j->dtype == OUT_F32) row_avx512(q, s, j->table, nblocks, o, OUT_F32);
                 else row_avx512(q, s, j->table, nblocks, o, OUT_BF16); /* bf16 and fp16 differ only in the table */
+                continue;
+            }
+#endif
+#ifdef PACT_AVX2
+            if (!j->scalar) {
+                if (j->dtype == OUT_F32) row_avx2(q, s, j->table, j->split, nblocks, o, OUT_F32);
+                else row_avx2(q, s, j->table, j->split, nblocks, o, OUT_BF16);
                 continue;
             }
 #endif
@@ -239,6 +348,15 @@ int pact_nvfp4_has_avx512(void) {
 #endif
 }
 
+/* Whether this build has the AVX2 path (built where AVX-512 is missing). */
+int pact_nvfp4_has_avx2(void) {
+#ifdef PACT_AVX2
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Dequantize n rows of k elements (k % 16 == 0) into a contiguous [n, k] output; strides are in elements.
  * dtype: 0 fp32, 1 bf16, 2 fp16. scalar != 0 forces the portable path. nthreads: threads to use.
  * Returns 0, or -1 on bad arguments. */
@@ -260,9 +378,15 @@ int pact_nvfp4_dequantize(const uint8_t *qdata, int64_t q_stride, const uint8_t 
 #endif
         for (; i < 256 * 16; i++) t16[i] = f32_to_f16(t32[i]);
     }
+    uint8_t split[256 * 32];
+    for (int i = 0; dtype != OUT_F32 && i < 256 * 16; i++) {
+        split[(i / 16) * 32 + i % 16] = (uint8_t)(t16[i] & 0xFF);
+        split[(i / 16) * 32 + 16 + i % 16] = (uint8_t)(t16[i] >> 8);
+    }
     job_t j;
     memset(&j, 0, sizeof j);
     j.qdata = qdata, j.scale = scale, j.out = out, j.table = dtype == OUT_F32 ? (void *)t32 : (void *)t16;
+    j.split = split;
     j.q_stride = q_stride, j.s_stride = s_stride, j.n = n, j.k = k, j.dtype = dtype, j.scalar = scalar;
     j.chunk = k >= 16384 ? 1 : 16384 / k; /* chunks of ~16K elements */
     j.nchunks = (n + j.chunk - 1) / j.chunk;
@@ -271,20 +395,42 @@ int pact_nvfp4_dequantize(const uint8_t *qdata, int64_t q_stride, const uint8_t 
     return 0;
 }
 
-/* The fused product for few rows (decoding): y [m, n] = x [m, k] @ deq(W).T in fp32, W read packed and never
- * dequantized to memory. x and y are contiguous fp32. Returns 0, or -1 on bad arguments. */
+/* The fused product for few rows (decoding): y [m, n] = x [m, k] @ deq(W).T, W read packed and never dequantized
+ * to memory, sums in fp32. x and y are contiguous, in `dtype` (0 fp32, 1 bf16, 2 fp16; y rounded to nearest even).
+ * With lora_b != NULL, the LoRA term of the same rows is added before the rounding: y += scaling * (x @ A.T) @ B.T,
+ * A fp32 [rank, k] and B fp32 [n, rank] contiguous. Returns 0, -1 on bad arguments, -2 out of memory. */
 int pact_nvfp4_linear(const uint8_t *qdata, int64_t q_stride, const uint8_t *scale, int64_t s_stride, float scale_2,
-                      int64_t n, int64_t k, const float *x, int64_t m, float *y, int scalar, int nthreads) {
+                      int64_t n, int64_t k, const void *x, int64_t m, void *y, int dtype, const float *lora_a,
+                      const float *lora_b, int64_t rank, float scaling, int scalar, int nthreads) {
     float t32[256 * 16] __attribute__((aligned(64))), sc[256];
-    if (k <= 0 || k % 16 || n < 0 || m < 1 || nthreads < 1) return -1;
+    if (k <= 0 || k % 16 || n < 0 || m < 1 || nthreads < 1 || dtype < 0 || dtype > 2) return -1;
+    if (lora_b != NULL && (lora_a == NULL || rank < 1)) return -1;
     fp32_table(scale_2, t32, sc);
+    float *buf = NULL, *xa = NULL;
+    const float *xf = (const float *)x;
+    if (dtype != OUT_F32 || lora_b != NULL) {
+        buf = malloc(sizeof(float) * (size_t)(m * k + (lora_b != NULL ? m * rank : 0)));
+        if (buf == NULL) return -2;
+    }
+    if (dtype != OUT_F32) {
+        const uint16_t *h = (const uint16_t *)x;
+        for (int64_t i = 0; i < m * k; i++) buf[i] = dtype == OUT_BF16 ? bf16_to_f32(h[i]) : f16_to_f32(h[i]);
+        xf = buf;
+    }
+    if (lora_b != NULL) {
+        xa = buf + (dtype != OUT_F32 ? m * k : 0);
+        for (int64_t i = 0; i < m; i++)
+            for (int64_t t = 0; t < rank; t++) xa[i * rank + t] = scaling * dot(xf + i * k, lora_a + t * k, k);
+    }
     job_t j;
     memset(&j, 0, sizeof j);
     j.qdata = qdata, j.scale = scale, j.table = t32, j.q_stride = q_stride, j.s_stride = s_stride;
-    j.n = n, j.k = k, j.dtype = OUT_F32, j.scalar = scalar, j.x = x, j.y = y, j.m = m;
+    j.n = n, j.k = k, j.dtype = dtype, j.scalar = scalar, j.x = xf, j.y = y, j.m = m;
+    j.xa = xa, j.lora_b = lora_b, j.rank = rank;
     j.chunk = 64; /* rows of W a thread claims at a time */
     j.nchunks = (n + j.chunk - 1) / j.chunk;
     atomic_init(&j.next, 0);
     run(&j, n * (k / 16) * m >= 4096 ? nthreads : 1);
+    free(buf);
     return 0;
 }
