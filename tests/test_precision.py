@@ -257,3 +257,18 @@ def test_unknown_backend_option_is_a_clear_error():
         )
     with pytest.raises(ValueError, match="backend_options"):
         PactConfig(backend_options=["soc_model"])
+
+
+def test_auto_dtype_is_bf16_only_where_the_cpu_computes_it_natively():
+    import platform
+    from pathlib import Path
+
+    from optimum_pact.precision import resolve_dtype
+
+    auto = resolve_dtype("auto")
+    if platform.machine() == "x86_64":  # the CPU's own word: AVX512-BF16 or AMX, or bf16 is emulated
+        flags = Path("/proc/cpuinfo").read_text()
+        assert auto == (torch.bfloat16 if "avx512_bf16" in flags or "amx_bf16" in flags else torch.float32)
+    assert resolve_dtype("float32") == torch.float32 and resolve_dtype(torch.float16) == torch.float16
+    with pytest.raises(ValueError, match="dtype='half' is not one of auto, bfloat16, float32"):
+        resolve_dtype("half")

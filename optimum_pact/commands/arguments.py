@@ -23,6 +23,7 @@ from transformers import HfArgumentParser
 
 from optimum_pact.backends.options import check_backend_choice
 from optimum_pact.errors import OptionError
+from optimum_pact.precision import DTYPES
 from peft_ext import PactConfig
 from peft_ext.options import derived_options
 from trainer_callbacks import PactTrainingArguments
@@ -91,7 +92,12 @@ class FinetuneArguments:
         metadata={"help": "Folder for the adapter and summary.json; the Trainer's own files go to OUTPUT/trainer."},
     )
     dtype: str = field(
-        default="bfloat16", metadata={"help": "Compute dtype of the base model.", "choices": ["bfloat16", "float32"]}
+        default="auto",
+        metadata={
+            "help": "Compute dtype of the base model; auto: bfloat16 where the CPU computes it natively "
+            "(AVX512-BF16, AMX), float32 elsewhere (bf16 is emulated there, many times slower).",
+            "choices": list(DTYPES),
+        },
     )
     soc_model: str | None = field(
         default=None,

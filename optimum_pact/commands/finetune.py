@@ -23,6 +23,7 @@ from trainer_callbacks.lock import OutputDirLock
 from trainer_callbacks.resources import peak_rss_bytes
 
 from ..dataflow import FrozenLinear
+from ..precision import resolve_dtype
 from .arguments import FinetuneRun
 from .data import format_example, load_personal_dataset
 from .data.generative import builtin_data, file_format, load_generative_dataset, prompt_ids, tokenize_generative
@@ -52,6 +53,18 @@ def _say(message: str) -> None:
     print(f"[optimum-pact] {message}", file=sys.stderr, flush=True)
 
 
+def load_data(data: str | None) -> tuple[str, list[dict], list[dict]]:
+    """`(format, train items, held-out items)` of `--data`: a file, a built-in example's name, or None (the main
+    job's labelled notes). Each line's problem is reported as a ValueError naming it."""
+    if data is not None and not Path(data).exists() and builtin_data(data) is not None:
+        data = builtin_data(data)  # a built-in example file: chat, prompt_completion, text
+    form = "labelled" if data is None else file_format(data)
+    if form == "labelled":
+        return form, *load_personal_dataset(data)
+    generative = load_generative_dataset(data)
+    return form, generative.train, generative.heldout
+
+
 def finetune(run: FinetuneRun) -> FinetuneSummary:
     """Fine-tune a LoRA adapter with PACT and return the summary (also written to `OUTPUT/summary.json`).
 
@@ -67,15 +80,7 @@ def finetune(run: FinetuneRun) -> FinetuneSummary:
 
 def _finetune(run: FinetuneRun) -> FinetuneSummary:
     job, config, args = run.job, run.config, run.args
-    data = job.data
-    if data is not None and not Path(data).exists() and builtin_data(data) is not None:
-        data = builtin_data(data)  # a built-in example file: chat, prompt_completion, text
-    form = "labelled" if data is None else file_format(data)  # validate the data before any slow work
-    if form == "labelled":
-        train_items, heldout_items = load_personal_dataset(data)
-    else:
-        generative = load_generative_dataset(data)
-        train_items, heldout_items = generative.train, generative.heldout
+    form, train_items, heldout_items = load_data(job.data)  # validate the data before any slow work
     backend = config.get_backend()  # the model's one backend: a qnn that cannot start fails here, before loading
     model_path = resolve_model(job.model)
     try:
@@ -93,13 +98,16 @@ def _finetune(run: FinetuneRun) -> FinetuneSummary:
         raise ValueError(f"{given}: the tokenizer in {model_path} could not be loaded{detail}; {fix}.") from err
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    dtype = resolve_dtype(job.dtype)
+    if job.dtype == "auto" and dtype == torch.float32:
+        _say("computing in float32: this CPU has no native bf16 arithmetic (emulated bf16 is many times slower)")
     try:
-        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, job.dtype))
+        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     except OSError as err:
         raise FileNotFoundError(f"--model {job.model!r} could not be loaded: {err}") from err
 
     collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
-    held_out = _HeldOut(form, tokenizer, train_items, heldout_items, collator)
+    held_out = HeldOut(form, tokenizer, train_items, heldout_items, collator)
     before = held_out.measure(base)
     if form == "labelled":
         train_rows = tokenize_examples(tokenizer, train_items)
@@ -171,18 +179,20 @@ def _finetune(run: FinetuneRun) -> FinetuneSummary:
         guarded_rows=guarded_rows,
         adapter_dir=str(adapter_dir),
         background=extra,
+        dtype=str(dtype).removeprefix("torch."),
     )
     write_card(adapter_dir, job.model, config, args, summary)
     (Path(job.output) / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
     return summary
 
 
-class _HeldOut:
+class HeldOut:
     """What the summary reports on the held-out items: accuracy (labelled data) or loss per learned token (the
     generative formats), and one held-out item answered greedily."""
 
     def __init__(self, form: str, tokenizer, train: list[dict], heldout: list[dict], collator):
         self.form, self.tokenizer, self.heldout, self.collator = form, tokenizer, heldout, collator
+        self.metric = "accuracy" if form == "labelled" else "loss"
         if form == "labelled":
             self.labels = sorted({item["label"] for item in train + heldout})
             self.prompt = tokenizer(format_example(heldout[0]["text"], heldout[0]["label"])[0])["input_ids"]
@@ -191,15 +201,16 @@ class _HeldOut:
             self.prompt = prompt_ids(tokenizer, heldout[0], form)
         self.example_text = tokenizer.decode(self.prompt, skip_special_tokens=True)
 
-    def measure(self, model) -> dict:
+    def measure(self, model, with_answer: bool = True) -> dict:
         if self.form == "labelled":
             texts, golds = [i["text"] for i in self.heldout], [i["label"] for i in self.heldout]
             out = {"accuracy": accuracy(classify(model, self.tokenizer, texts, self.labels), golds)}
-            reply = answer(model, self.tokenizer, self.prompt, max_new_tokens=8).split("\n")[0]
         else:
             out = {"loss": heldout_loss(model, self.heldout_rows, self.collator)}
-            reply = answer(model, self.tokenizer, self.prompt)
-        return {**out, "answer": reply}
+        if with_answer:
+            reply = answer(model, self.tokenizer, self.prompt, max_new_tokens=8 if self.form == "labelled" else 40)
+            out["answer"] = reply.split("\n")[0] if self.form == "labelled" else reply
+        return out
 
 
 def signal_name(signum: int) -> str:

@@ -17,6 +17,7 @@ from transformers import HfArgumentParser, TextStreamer
 
 from peft_ext.options import PactOptions, derived_options
 
+from ..precision import DTYPES
 from .modeling import PactModelForCausalLM
 
 
@@ -34,7 +35,11 @@ class _GenerateOwn:
     max_new_tokens: int = field(default=128, metadata={"help": "Tokens to generate at most."})
     temperature: float = field(default=0.0, metadata={"help": "0: greedy; above 0: sampling at this temperature."})
     top_p: float = field(default=1.0, metadata={"help": "Sampling: nucleus probability mass."})
-    dtype: str = field(default="bfloat16", metadata={"help": "Compute dtype.", "choices": ["bfloat16", "float32"]})
+    dtype: str = field(
+        default="auto",
+        metadata={"help": "Compute dtype; auto: bfloat16 where the CPU computes it natively, else float32.",
+                  "choices": list(DTYPES)},
+    )  # fmt: skip
 
 
 BackendArguments = derived_options("BackendArguments", PactOptions, ("backend", "backend_options"))

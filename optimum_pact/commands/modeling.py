@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from peft_ext import PactConfig
 
 from ..dataflow import FrozenLinear
+from ..precision import resolve_dtype
 from ..quantizer import PactQuantizationConfig
 from .model_folder import resolve_model
 
@@ -46,12 +47,12 @@ class PactModelForCausalLM:
         adapter: str | dict[str, str] | None = None,
         backend: str = "torch",
         backend_options: dict | None = None,
-        dtype: str | torch.dtype = torch.bfloat16,
+        dtype: str | torch.dtype = "auto",
     ) -> PactModelForCausalLM:
         """Load `base` (a model folder or Hub id; None: the default model) on the NVFP4 base with `backend`, then
         `adapter`: a folder, or {name: folder} for several (the first is active)."""
         path = resolve_model(base)
-        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        dtype = resolve_dtype(dtype)  # "auto": bf16 where the CPU computes it natively, else fp32
         quantization = PactQuantizationConfig(backend=backend, backend_options=backend_options)
         model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization, dtype=dtype)
         model.eval()

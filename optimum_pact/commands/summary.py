@@ -37,6 +37,7 @@ class FinetuneSummary:
     example_prompt: str | None = None  # one held-out item, answered greedily by the base and by the adapter
     answer_before: str | None = None
     answer_after: str | None = None
+    dtype: str | None = None  # the compute dtype (`--dtype auto` resolved)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -46,7 +47,8 @@ class FinetuneSummary:
 
     def _linears(self) -> str:
         fp16 = f" ({self.fp16_linears} kept 16-bit: precision plan, AQLoRA)" if self.fp16_linears else ""
-        return f"{self.frozen_linears} NVFP4-base linears{fp16} on the {self.backend} backend"
+        dtype = f", computing in {self.dtype}" if self.dtype else ""
+        return f"{self.frozen_linears} NVFP4-base linears{fp16} on the {self.backend} backend{dtype}"
 
     def _products(self) -> str:
         counts = {name: n for name, n in (self.products or {}).items() if n}
