@@ -27,6 +27,10 @@ class Backend(Protocol):
 
     A model holds ONE instance (`get_backend`), shared by all its layers: whatever the backend builds once
     (compiled graphs, a started device) lives on that instance.
+
+    Optional: `forward_lora(x, handle, lora_a, lora_b, scaling)` returns `forward(x) + scaling * (x @ A.T) @ B.T`
+    computed in one call, or None where it does not apply; LoRA layers use it at inference (the torch backend's
+    fused decoding product) and run the two apart otherwise.
     """
 
     name: str
