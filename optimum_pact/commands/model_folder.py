@@ -3,7 +3,12 @@ a Hub id. Shared by `pact finetune`, `pact generate` / `pact chat` and `pact exp
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import transformers
@@ -76,4 +81,35 @@ def check_model_folder(path: Path, given: str) -> None:
         )
 
 
-__all__ = ["check_model_folder", "resolve_model"]
+def check_paths(adapter: str | Path, output: str | Path) -> tuple[Path, Path]:
+    """`adapter` must be an adapter folder and `output` a new (or empty) folder; both as Paths."""
+    adapter, output = Path(adapter), Path(output)
+    if not (adapter / "adapter_config.json").is_file():
+        raise FileNotFoundError(
+            f"--adapter {str(adapter)!r} has no adapter_config.json; pass the adapter folder of a run"
+        )
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise FileExistsError(f"--output {str(output)!r} exists and is not empty; pass a new folder")
+    return adapter, output
+
+
+@contextmanager
+def written_aside(output: Path) -> Iterator[Path]:
+    """A new folder beside `output` to write into, renamed to `output` when the block succeeds and removed when it
+    fails: a failed export leaves no half-written folder at `output`. It gets the permissions a plain mkdir would
+    (a temporary folder is private)."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}-partial-"))
+    try:
+        yield tmp
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)
+        if output.exists():
+            output.rmdir()  # an empty folder the user made for it
+        os.replace(tmp, output)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+__all__ = ["check_model_folder", "check_paths", "resolve_model", "written_aside"]

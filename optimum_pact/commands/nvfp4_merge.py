@@ -1,0 +1,209 @@
+"""`pact export --format nvfp4-merged`: base + adapter merged and re-quantized to NVFP4, in the ModelOpt layout.
+
+Merging into a 4-bit base is where adapters lose their gain: a LoRA change is mostly smaller than the NVFP4 grid
+step, so rounding `deq(W) + delta` (the usual dequantize-merge-requantize) puts most weights back where they were.
+Two ways are offered, and the export measures what each keeps:
+
+- `requantize_from="original"` (default): round the full-precision checkpoint's weight with the delta folded in,
+  `quantize(W + delta)`. W sits anywhere between grid points, so the delta moves each rounding with a probability
+  proportional to its size: in expectation the rounded change is the delta, instead of nothing.
+- `requantize_from="nvfp4"`: `quantize(deq(Q(W)) + delta)`, what merging into an already-4-bit model does.
+- `keep_16bit=FRACTION` on top of either: the linears whose rounding lost most of the delta stay bf16, holding
+  `deq(Q(W)) + delta` exactly (listed in the config's `modules_to_not_convert`, so the folder reloads as saved).
+
+The export then scores the base, the unmerged adapter and the merged folder as reloaded on the held-out items
+(accuracy, or loss for generative data), writes `merge_report.json` beside the weights and warns when the merge
+keeps less than 80% of the adapter's gain.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq
+
+from peft_ext.layer import PactLoraLinear
+
+from ..errors import OptionError
+from ..nvfp4 import NVFP4Tensor, quantize
+from ..precision import resolve_dtype
+from ..quantizer import PactQuantizationConfig
+from .finetune import HeldOut, load_data
+from .model_folder import check_paths, written_aside
+from .modeling import PactModelForCausalLM
+
+logger = logging.getLogger(__name__)
+
+REQUANTIZE_FROM = ("original", "nvfp4")
+WARN_BELOW = 0.8  # of the adapter's gain kept
+
+
+@dataclass
+class MergeReport:
+    metric: str  # "accuracy" (higher is better) or "loss" (lower is better), on the held-out items
+    base: float  # the NVFP4 base without the adapter
+    adapter: float  # the NVFP4 base with the adapter, unmerged (what training computed)
+    merged: float  # the exported folder, reloaded
+    gain_kept: float | None  # (merged - base) / (adapter - base), the metric's sign taken into account; None if
+    # the adapter gained nothing on these items
+    requantize_from: str
+    kept_16bit: list[str]  # linears kept bf16
+    delta_kept: float  # of the adapter's weight change, the share the merged weights hold (projection, all layers)
+
+    def describe(self) -> str:
+        pct = "%" if self.metric == "accuracy" else ""
+        scale = 100 if self.metric == "accuracy" else 1
+
+        def show(value: float) -> str:
+            return f"{value * scale:.1f}{pct}" if pct else f"{value:.4f}"
+
+        kept = "n/a (no gain)" if self.gain_kept is None else f"{self.gain_kept:.0%}"
+        return (
+            f"held-out {self.metric}: base {show(self.base)}, adapter {show(self.adapter)}, merged {show(self.merged)}"
+            f" ({kept} of the adapter's gain kept; weight change kept {self.delta_kept:.0%}; "
+            f"from {self.requantize_from}, {len(self.kept_16bit)} linears bf16)"
+        )
+
+
+def _original_weights(folder: Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """The full-precision `<name>.weight` of each linear in `names`, read from the checkpoint's safetensors."""
+    files = sorted(folder.glob("*.safetensors"))
+    wanted = {f"{name}.weight": name for name in names}
+    found: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as reader:
+            for key in reader.keys():
+                if key in wanted:
+                    found[wanted[key]] = reader.get_tensor(key).float()
+    missing = [name for name in names if name not in found]
+    if missing or any(t.dtype == torch.uint8 for t in found.values()):
+        raise OptionError(
+            "requantize_from",
+            f"'original' needs the base's full-precision weights, but {folder} holds "
+            f"{'no' if missing else 'packed'} weights for {(missing or names)[0]}; pass --requantize_from nvfp4, "
+            "or --model with the full-precision checkpoint",
+        )
+    return found
+
+
+def check_merge_options(requantize_from: str, keep_16bit: float) -> None:
+    if requantize_from not in REQUANTIZE_FROM:
+        choices = ", ".join(REQUANTIZE_FROM)
+        raise OptionError("requantize_from", f"requantize_from={requantize_from!r} is not one of {choices}")
+    if isinstance(keep_16bit, bool) or not isinstance(keep_16bit, (int, float)) or not 0.0 <= keep_16bit <= 1.0:
+        raise OptionError(
+            "keep_16bit", f"keep_16bit={keep_16bit!r} is not a fraction; pass a number from 0 to 1, e.g. 0.25"
+        )
+
+
+@torch.no_grad()
+def merged_weights(
+    pact: PactModelForCausalLM, requantize_from: str, keep_16bit: float
+) -> tuple[dict[str, NVFP4Tensor | torch.Tensor], float]:
+    """`{linear name: its merged weight}` (NVFP4, or a bf16 tensor for the kept linears) and the share of the
+    adapter's weight change the merged weights hold."""
+    check_merge_options(requantize_from, keep_16bit)
+    layers = {name.removeprefix("base_model.model."): m for name, m in pact.model.named_modules()}
+    layers = {name: m for name, m in layers.items() if isinstance(m, PactLoraLinear)}
+    originals = _original_weights(Path(pact.base_path), list(layers)) if requantize_from == "original" else {}
+    adapter = pact.model.active_adapter
+    merged, lost, dots, norm = {}, {}, {}, 0.0
+
+    def held(name: str, weight: NVFP4Tensor | torch.Tensor, trained: torch.Tensor, delta: torch.Tensor) -> None:
+        """Record `weight` for `name`: how far its change from the trained base is from the delta, and along it."""
+        dense = weight.dequantize(torch.float32) if isinstance(weight, NVFP4Tensor) else weight.float()
+        change = dense - trained
+        merged[name] = weight
+        lost[name], dots[name] = float((change - delta).pow(2).sum()), float((change * delta).sum())
+
+    for name, layer in layers.items():
+        trained = layer.get_base_layer().dequantize(torch.float32)  # the base the adapter was trained against
+        delta = layer.get_delta_weight(adapter).float()
+        norm += float(delta.pow(2).sum())
+        held(name, quantize(originals.pop(name, trained) + delta), trained, delta)
+    for name in sorted(lost, key=lost.get, reverse=True)[: round(keep_16bit * len(lost))]:
+        layer = layers[name]
+        trained = layer.get_base_layer().dequantize(torch.float32)
+        delta = layer.get_delta_weight(adapter).float()
+        held(name, (trained + delta).to(torch.bfloat16), trained, delta)
+    return merged, sum(dots.values()) / norm if norm else 1.0
+
+
+def _score(held_out: HeldOut, model) -> float:
+    return held_out.measure(model, with_answer=False)[held_out.metric]
+
+
+def export_nvfp4_merged(
+    adapter: str | Path,
+    output: str | Path,
+    base: str | None = None,
+    data: str | None = None,
+    requantize_from: str = "original",
+    keep_16bit: float = 0.0,
+    dtype: str = "auto",
+) -> MergeReport:
+    """Merge `adapter` into its NVFP4 base, save the result at `output` (ModelOpt layout, loadable with
+    `AutoModelForCausalLM.from_pretrained(output)` once optimum_pact is imported) and report what the merge kept,
+    scored on `data`'s held-out items (default: the main job's data). `dtype`: the one the adapter was trained in
+    (the NVFP4 base is quantized from the weights in that dtype; "auto" picks as `pact finetune` does)."""
+    adapter, output = check_paths(adapter, output)
+    check_merge_options(requantize_from, keep_16bit)
+    torch_dtype = resolve_dtype(dtype)
+    pact = PactModelForCausalLM.from_pretrained(base, adapter=str(adapter), dtype=torch_dtype)
+    weights, delta_kept = merged_weights(pact, requantize_from, keep_16bit)
+    kept = [name for name, weight in weights.items() if not isinstance(weight, NVFP4Tensor)]
+    form, train, heldout = load_data(data)
+    tokenizer = pact.tokenizer
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+    held_out = HeldOut(form, tokenizer, train, heldout, collator)
+    with pact.model.disable_adapter():
+        base_score = _score(held_out, pact.model)
+    adapter_score = _score(held_out, pact.model)
+    path = pact.base_path
+    del pact
+
+    quantization = PactQuantizationConfig(modules_to_not_convert=kept or None)
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization, dtype=torch_dtype)
+    for name, weight in weights.items():
+        module = model.get_submodule(name)
+        if isinstance(weight, NVFP4Tensor):
+            module.load_nvfp4(weight)
+        else:
+            module.weight.data.copy_(weight)
+    with written_aside(output) as tmp:  # written, reloaded and scored aside, then renamed
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        del model
+        merged_score = _score(held_out, AutoModelForCausalLM.from_pretrained(tmp, dtype=torch_dtype))
+        sign = 1.0 if held_out.metric == "accuracy" else -1.0
+        gain = sign * (adapter_score - base_score)
+        report = MergeReport(
+            metric=held_out.metric,
+            base=base_score,
+            adapter=adapter_score,
+            merged=merged_score,
+            gain_kept=sign * (merged_score - base_score) / gain if gain > 0 else None,
+            requantize_from=requantize_from,
+            kept_16bit=kept,
+            delta_kept=delta_kept,
+        )
+        (tmp / "merge_report.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
+    if report.gain_kept is not None and report.gain_kept < WARN_BELOW:
+        logger.warning(
+            "the NVFP4 merge kept %.0f%% of the adapter's gain (%s). Keep the linears that lose most 16-bit "
+            "(--keep_16bit 0.25, or more), or use the adapter unmerged (pact generate --adapter) or as a "
+            "llama.cpp LoRA (--format gguf-lora).",
+            100 * report.gain_kept,
+            report.describe(),
+        )
+    return report
+
+
+__all__ = ["MergeReport", "REQUANTIZE_FROM", "export_nvfp4_merged", "merged_weights"]

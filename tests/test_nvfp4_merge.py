@@ -1,0 +1,101 @@
+"""`pact export --format nvfp4-merged`: the adapter merged into the NVFP4 base, re-quantized, reloaded and scored."""
+
+import json
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from optimum_pact.commands.modeling import PactModelForCausalLM
+from optimum_pact.commands.nvfp4_merge import export_nvfp4_merged, merged_weights
+from optimum_pact.dataflow import FrozenLinear
+from optimum_pact.errors import OptionError
+from optimum_pact.nvfp4 import NVFP4Tensor
+from optimum_pact.precision import resolve_dtype
+
+PROMPT = torch.tensor([[1, 520, 1742, 314, 2283, 30]])
+
+
+def _adapter(base_folder, out, size):
+    """A LoRA adapter whose weight change is about `size` times the weights' own spread."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=4, target_modules="all-linear", init_lora_weights=False))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_A" in name:
+                p.copy_(torch.randn_like(p) / p.shape[1] ** 0.25)
+            if "lora_B" in name:
+                p.copy_(torch.randn_like(p) * size * 0.02 / p.shape[1] ** 0.25)  # the base's init std is 0.02
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def small_delta(small_model, tmp_path_factory):
+    return _adapter(small_model, tmp_path_factory.mktemp("adapter") / "a", 0.05)
+
+
+def test_rounding_the_original_weights_keeps_a_small_change_that_requantizing_loses(small_model, small_delta):
+    pact = PactModelForCausalLM.from_pretrained(str(small_model), adapter=str(small_delta), dtype="float32")
+    _, from_nvfp4 = merged_weights(pact, "nvfp4", 0.0)
+    _, from_original = merged_weights(pact, "original", 0.0)
+    # a change 1/20 of the weights' spread is far below the grid step: requantizing puts the weights back
+    assert from_nvfp4 < 0.1 and from_original > 0.5, (from_nvfp4, from_original)
+    weights, all_kept = merged_weights(pact, "nvfp4", 1.0)
+    assert all(w.dtype == torch.bfloat16 for w in weights.values()) and all_kept == pytest.approx(1.0, abs=0.02)
+    weights, _ = merged_weights(pact, "original", 0.25)
+    assert sum(not isinstance(w, NVFP4Tensor) for w in weights.values()) == round(0.25 * 14)
+
+
+def test_the_merged_folder_reloads_as_reported_and_computes_the_merge(small_model, small_delta, tmp_path):
+    out = tmp_path / "merged"
+    report = export_nvfp4_merged(small_delta, out, str(small_model), requantize_from="nvfp4", keep_16bit=0.5)
+    saved = json.loads((out / "merge_report.json").read_text())
+    assert saved["kept_16bit"] == report.kept_16bit and len(report.kept_16bit) == 7 and saved["metric"] == "accuracy"
+    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    frozen = {n for n, m in reloaded.named_modules() if isinstance(m, FrozenLinear)}
+    assert len(frozen) == 7 and not frozen & set(report.kept_16bit)  # the kept ones load as plain bf16 linears
+    pact = PactModelForCausalLM.from_pretrained(str(small_model), adapter=str(small_delta))  # bf16, as exported
+    weights, _ = merged_weights(pact, "nvfp4", 0.5)
+    for name, weight in weights.items():
+        module = reloaded.get_submodule(name)
+        got = module.dequantize(torch.float32) if name in frozen else module.weight.float()
+        want = weight.dequantize(torch.float32) if isinstance(weight, NVFP4Tensor) else weight.float()
+        torch.testing.assert_close(got, want, atol=0, rtol=0)  # exactly the merge that was scored
+    assert (out / "tokenizer.json").is_file() and not list(tmp_path.glob(".merged-partial-*"))
+
+
+def test_bad_merge_options_are_named_and_nothing_is_written(small_model, small_delta, tmp_path):
+    with pytest.raises(OptionError, match="keep_16bit.*from 0 to 1"):
+        export_nvfp4_merged(small_delta, tmp_path / "m", str(small_model), keep_16bit=2.0)
+    with pytest.raises(OptionError, match="requantize_from.*'exact' is not one of original, nvfp4"):
+        export_nvfp4_merged(small_delta, tmp_path / "m", str(small_model), requantize_from="exact")
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_the_main_jobs_adapter_merged_keeps_its_gain_and_the_folder_scores_as_reported(main_job, tmp_path, caplog):
+    from optimum_pact.commands.evaluation import accuracy, classify
+    from optimum_pact.commands.finetune import load_data
+
+    out, proc = main_job
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with caplog.at_level("WARNING"):
+        usual = export_nvfp4_merged(out / "adapter", tmp_path / "usual", requantize_from="nvfp4")
+    assert usual.gain_kept < 0.8 and "kept" in caplog.text and "--keep_16bit" in caplog.text  # the warning
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        kept = export_nvfp4_merged(out / "adapter", tmp_path / "kept")  # the default: rounded from the original
+    assert kept.adapter >= kept.base + 0.2 and kept.gain_kept >= 0.8 and "gain" not in caplog.text
+    assert kept.gain_kept > usual.gain_kept + 0.3
+
+    # as a user loads it (NVFP4, ModelOpt layout), in the dtype the export scored it in
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "kept", dtype=resolve_dtype("auto"))
+    assert sum(isinstance(m, FrozenLinear) for m in reloaded.modules()) == 30 * 7
+    _, train, heldout = load_data(None)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "kept")
+    labels = sorted({item["label"] for item in train + heldout})
+    guesses = classify(reloaded, tokenizer, [item["text"] for item in heldout], labels)
+    assert accuracy(guesses, [item["label"] for item in heldout]) == pytest.approx(kept.merged, abs=1e-9)
