@@ -99,3 +99,18 @@ def test_the_main_jobs_adapter_merged_keeps_its_gain_and_the_folder_scores_as_re
     labels = sorted({item["label"] for item in train + heldout})
     guesses = classify(reloaded, tokenizer, [item["text"] for item in heldout], labels)
     assert accuracy(guesses, [item["label"] for item in heldout]) == pytest.approx(kept.merged, abs=1e-9)
+
+
+def test_pact_export_nvfp4_merged_prints_the_report_and_names_a_bad_option(small_model, small_delta, tmp_path, capsys):
+    from optimum_pact.commands.cli import main
+
+    base = ["export", "--model", str(small_model), "--adapter", str(small_delta), "--format", "nvfp4-merged"]
+    assert main([*base, "--output", str(tmp_path / "bad"), "--keep_16bit", "1.5"]) == 2
+    assert "keep_16bit=1.5 is not a fraction" in capsys.readouterr().err and not (tmp_path / "bad").exists()
+    assert main([*base, "--output", str(tmp_path / "ok"), "--requantize_from", "nvfp4"]) == 0
+    printed = capsys.readouterr().out
+    assert (
+        "held-out accuracy: base" in printed
+        and "merged" in printed
+        and (tmp_path / "ok" / "merge_report.json").is_file()
+    )
