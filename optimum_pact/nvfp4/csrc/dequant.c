@@ -134,19 +134,21 @@ static inline __attribute__((always_inline)) void row_avx512(const uint8_t *q, c
 #endif
 
 #ifdef PACT_AVX2
-/* Look up 8 values of a 16-entry fp32 table row (lo: entries 0-7, hi: 8-15): vpermps reads the low 3 bits of
- * each index, bit 3 picks the half. */
-static inline __attribute__((always_inline)) __m256 lookup16(__m256 lo, __m256 hi, __m256i idx) {
-    const __m256 a = _mm256_permutevar8x32_ps(lo, idx), b = _mm256_permutevar8x32_ps(hi, idx);
-    return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+/* Look up 8 values of a block's fp32 table row from their codes. Codes 8-15 are codes 0-7 negated (E2M1's sign bit;
+ * the table's products negate exactly), so one vpermps on the row's first 8 entries (it reads an index's low 3 bits)
+ * and bit 3 moved to the sign bit give all 16. Bits above 3 of an index are ignored. */
+static inline __attribute__((always_inline)) __m256 lookup16(__m256 magnitudes, __m256i idx) {
+    const __m256i sign = _mm256_and_si256(_mm256_slli_epi32(idx, 28), _mm256_set1_epi32((int)0x80000000u));
+    return _mm256_xor_ps(_mm256_permutevar8x32_ps(magnitudes, idx), _mm256_castsi256_ps(sign));
 }
 
-/* A block's 8 packed bytes -> its 16 codes as two sets of 8 dword indices, in element order. */
+/* A block's 8 packed bytes -> its 16 codes as two sets of 8 dword indices, in element order (the low 4 bits of each
+ * dword; what lies above is ignored by lookup16). */
 static inline __attribute__((always_inline)) void codes16(const uint8_t *q, __m256i *first, __m256i *second) {
-    const __m256i shifts = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4), nibble = _mm256_set1_epi32(0xF);
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4);
     const __m128i bytes = _mm_loadl_epi64((const __m128i *)q), twice = _mm_unpacklo_epi8(bytes, bytes);
-    *first = _mm256_and_si256(_mm256_srlv_epi32(_mm256_cvtepu8_epi32(twice), shifts), nibble);
-    *second = _mm256_and_si256(_mm256_srlv_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(twice, 8)), shifts), nibble);
+    *first = _mm256_srlv_epi32(_mm256_cvtepu8_epi32(twice), shifts);
+    *second = _mm256_srlv_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(twice, 8)), shifts);
 }
 
 /* One row with AVX2. fp32: two 8-value look-ups per block. bf16 / fp16: `split` holds each table row's low bytes
@@ -156,12 +158,11 @@ static inline __attribute__((always_inline)) void row_avx2(const uint8_t *q, con
                                                            int dtype) {
     if (dtype == OUT_F32) {
         for (int64_t b = 0; b < nblocks; b++) {
-            const float *t = (const float *)table + 16 * s[b];
-            const __m256 lo = _mm256_loadu_ps(t), hi = _mm256_loadu_ps(t + 8);
+            const __m256 magnitudes = _mm256_loadu_ps((const float *)table + 16 * s[b]);
             __m256i first, second;
             codes16(q + b * 8, &first, &second);
-            _mm256_storeu_ps((float *)out + b * 16, lookup16(lo, hi, first));
-            _mm256_storeu_ps((float *)out + b * 16 + 8, lookup16(lo, hi, second));
+            _mm256_storeu_ps((float *)out + b * 16, lookup16(magnitudes, first));
+            _mm256_storeu_ps((float *)out + b * 16 + 8, lookup16(magnitudes, second));
         }
         return;
     }
@@ -241,12 +242,11 @@ static void linear_row(const job_t *j, int64_t r) {
             __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
             float lanes[16];
             for (int64_t b = 0; b < nblocks; b++) {
-                const float *t = table + 16 * s[b];
-                const __m256 lo = _mm256_loadu_ps(t), hi = _mm256_loadu_ps(t + 8);
+                const __m256 magnitudes = _mm256_loadu_ps(table + 16 * s[b]);
                 __m256i first, second;
                 codes16(q + b * 8, &first, &second);
-                acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(lookup16(lo, hi, first), _mm256_loadu_ps(x + b * 16)));
-                acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(lookup16(lo, hi, second), _mm256_loadu_ps(x + b * 16 + 8)));
+                acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(lookup16(magnitudes, first), _mm256_loadu_ps(x + b * 16)));
+                acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(lookup16(magnitudes, second), _mm256_loadu_ps(x + b * 16 + 8)));
             }
             _mm256_storeu_ps(lanes, acc0);
             _mm256_storeu_ps(lanes + 8, acc1);
