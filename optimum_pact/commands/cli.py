@@ -11,6 +11,7 @@ USAGE = (
     "       pact chat [options]              chat with a trained adapter (/reset, /quit)\n"
     "       pact export --adapter DIR --output DIR   the adapter merged into a plain transformers folder\n"
     "       pact export --format gguf-lora --adapter DIR --output FILE.gguf   the adapter for llama.cpp\n"
+    "       pact export --format nvfp4-merged --adapter DIR --output DIR   merged into one NVFP4 model, scored\n"
     "(pact COMMAND --help lists every option)"
 )
 COMMANDS = ("finetune", "generate", "chat", "export")
