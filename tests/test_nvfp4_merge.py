@@ -75,6 +75,23 @@ def test_bad_merge_options_are_named_and_nothing_is_written(small_model, small_d
     assert not list(tmp_path.iterdir())
 
 
+def test_rounding_from_the_original_on_a_packed_checkpoint_is_refused_by_name(small_model, small_delta, tmp_path):
+    from transformers import AutoTokenizer as Tokenizer
+
+    from optimum_pact.quantizer import PactQuantizationConfig
+
+    packed = tmp_path / "packed"  # a base saved as NVFP4: its linears hold codes, not full-precision weights
+    AutoModelForCausalLM.from_pretrained(small_model, quantization_config=PactQuantizationConfig()).save_pretrained(
+        packed
+    )
+    Tokenizer.from_pretrained(small_model).save_pretrained(packed)
+    pact = PactModelForCausalLM.from_pretrained(str(packed), adapter=str(small_delta))
+    with pytest.raises(OptionError, match="'original' needs the base's full-precision weights.*packed weights"):
+        merged_weights(pact, "original", 0.0)
+    weights, _ = merged_weights(pact, "nvfp4", 0.0)  # the usual merge needs only the packed base
+    assert all(isinstance(w, NVFP4Tensor) for w in weights.values())
+
+
 @pytest.mark.slow
 def test_the_main_jobs_adapter_merged_keeps_its_gain_and_the_folder_scores_as_reported(main_job, tmp_path, caplog):
     from optimum_pact.commands.evaluation import accuracy, classify

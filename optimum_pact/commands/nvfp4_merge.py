@@ -79,16 +79,17 @@ def _original_weights(folder: Path, names: list[str]) -> dict[str, torch.Tensor]
         with safe_open(str(file), framework="pt") as reader:
             for key in reader.keys():
                 if key in wanted:
-                    found[wanted[key]] = reader.get_tensor(key).float()
+                    found[wanted[key]] = reader.get_tensor(key)
     missing = [name for name in names if name not in found]
-    if missing or any(t.dtype == torch.uint8 for t in found.values()):
+    packed = [name for name, tensor in found.items() if tensor.dtype == torch.uint8]  # a saved NVFP4 checkpoint
+    if missing or packed:
         raise OptionError(
             "requantize_from",
             f"'original' needs the base's full-precision weights, but {folder} holds "
-            f"{'no' if missing else 'packed'} weights for {(missing or names)[0]}; pass --requantize_from nvfp4, "
+            f"{'no' if missing else 'packed'} weights for {(missing or packed)[0]}; pass --requantize_from nvfp4, "
             "or --model with the full-precision checkpoint",
         )
-    return found
+    return {name: tensor.float() for name, tensor in found.items()}
 
 
 def check_merge_options(requantize_from: str, keep_16bit: float) -> None:
