@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..files import read_json_object
-from .model_folder import resolve_model
+from .model_folder import check_adapter_folder, resolve_model
 
 # transformers model_type -> llama.cpp architecture
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
@@ -65,11 +65,7 @@ class GGUFAdapter:
 def read_adapter(adapter: str | Path, base: str | None = None) -> GGUFAdapter:
     """The LoRA tensors of a PEFT adapter folder under llama.cpp's names, checked against `base`'s config
     (None: the default model)."""
-    adapter = Path(adapter)
-    if not (adapter / "adapter_config.json").is_file():
-        raise FileNotFoundError(
-            f"--adapter {str(adapter)!r} has no adapter_config.json; pass the adapter folder of a run"
-        )
+    adapter = check_adapter_folder(adapter)
     weights = adapter / "adapter_model.safetensors"
     if not weights.is_file():
         raise FileNotFoundError(

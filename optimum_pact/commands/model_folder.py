@@ -81,13 +81,19 @@ def check_model_folder(path: Path, given: str) -> None:
         )
 
 
-def check_paths(adapter: str | Path, output: str | Path) -> tuple[Path, Path]:
-    """`adapter` must be an adapter folder and `output` a new (or empty) folder; both as Paths."""
-    adapter, output = Path(adapter), Path(output)
+def check_adapter_folder(adapter: str | Path) -> Path:
+    """`adapter` as a Path, if it is an adapter folder (it holds adapter_config.json)."""
+    adapter = Path(adapter)
     if not (adapter / "adapter_config.json").is_file():
         raise FileNotFoundError(
             f"--adapter {str(adapter)!r} has no adapter_config.json; pass the adapter folder of a run"
         )
+    return adapter
+
+
+def check_paths(adapter: str | Path, output: str | Path) -> tuple[Path, Path]:
+    """`adapter` must be an adapter folder and `output` a new (or empty) folder; both as Paths."""
+    adapter, output = check_adapter_folder(adapter), Path(output)
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise FileExistsError(f"--output {str(output)!r} exists and is not empty; pass a new folder")
     return adapter, output
@@ -112,4 +118,4 @@ def written_aside(output: Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-__all__ = ["check_model_folder", "check_paths", "resolve_model", "written_aside"]
+__all__ = ["check_adapter_folder", "check_model_folder", "check_paths", "resolve_model", "written_aside"]
