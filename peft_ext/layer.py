@@ -13,6 +13,7 @@ from optimum_pact.dataflow import FrozenLinear
 from optimum_pact.dataflow.overlap import LoraFrozenProduct
 
 from .aqlora import PendingLayers, needs_whole_model
+from .fused import FusedAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ class PactLoraLinear(LoraLinear):
 
     def __init__(self, base_layer, adapter_name: str, config, **kwargs):
         self.pact_pending = None  # an AQLoRA group this layer waits in (peft_ext.aqlora), until it is finalized
+        self._pact_fused = None  # the bound inference product (FusedAdapter), built on first use
         super().__init__(base_layer, adapter_name, config=config, **kwargs)
         self._pact_overlap_option = getattr(config, "overlap", None)
 
@@ -45,12 +47,20 @@ class PactLoraLinear(LoraLinear):
         if self.pact_pending is not None:  # peft activates adapters once every layer is injected: finalize AQLoRA
             self.pact_pending.finalize()
 
+    def update_layer(self, adapter_name, *args, **kwargs):
+        self._pact_fused = None
+        return super().update_layer(adapter_name, *args, **kwargs)
+
+    def delete_adapter(self, adapter_name: str) -> None:
+        self._pact_fused = None
+        super().delete_adapter(adapter_name)
+
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        adapter = self._plain_adapter(args, kwargs)
-        if adapter is not None and not torch.is_grad_enabled():
-            y = self._fused_forward(x, adapter)
+        if not args and not kwargs and not torch.is_grad_enabled():
+            y = self._fused_forward(x)
             if y is not None:
                 return y
+        adapter = self._plain_adapter(args, kwargs)
         if adapter is None or not self.pact_overlap:
             return super().forward(x, *args, **kwargs)
         base = self.get_base_layer()
@@ -58,18 +68,13 @@ class PactLoraLinear(LoraLinear):
         scaling = self.scaling[adapter]
         return LoraFrozenProduct.apply(x, lora_a, lora_b, scaling, base.backend, base.handle, base.bias)
 
-    def _fused_forward(self, x: torch.Tensor, adapter: str) -> torch.Tensor | None:
+    def _fused_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """Inference: the frozen product and the adapter's term in one backend call where the backend fuses them
-        (the torch backend when decoding); None otherwise. Spares peft's per-layer dispatch and casts per token."""
-        base = self.get_base_layer()
-        forward_lora = getattr(base.backend, "forward_lora", None)
-        if forward_lora is None:
-            return None
-        lora_a, lora_b = self.lora_A[adapter].weight, self.lora_B[adapter].weight
-        y = forward_lora(x, base.handle, lora_a, lora_b, self.scaling[adapter])
-        if y is None or base.bias is None:
-            return y
-        return y + base.bias.to(y.dtype)
+        (the torch backend when decoding); None otherwise. Bound once (`FusedAdapter`), rebuilt when stale."""
+        fused = self._pact_fused
+        if fused is None or not fused.current(self):
+            fused = self._pact_fused = FusedAdapter(self)
+        return fused(x)
 
     def _plain_adapter(self, args, kwargs) -> str | None:
         """The one active vanilla-LoRA adapter the overlapped and fused paths can run, or None (peft's own path)."""

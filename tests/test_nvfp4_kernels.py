@@ -301,11 +301,12 @@ def test_fused_linear_equals_the_reference_up_to_fp32_summation_order(scalar, ro
 
 @needs_native
 def test_the_torch_backend_fuses_only_inference_on_few_rows(monkeypatch):
-    from optimum_pact.backends import get_backend, torch_backend
+    from optimum_pact.backends import get_backend
+    from optimum_pact.nvfp4.kernels import NativeLinear
 
     calls = []
-    real = torch_backend.linear_native
-    monkeypatch.setattr(torch_backend, "linear_native", lambda *a, **kw: calls.append(a[-1].shape) or real(*a, **kw))
+    real = NativeLinear.run
+    monkeypatch.setattr(NativeLinear, "run", lambda self, x: calls.append(x.shape) or real(self, x))
     backend = get_backend("torch")
     q = quantize(torch.randn(64, 96))
     x = torch.randn(1, 2, 96, dtype=torch.bfloat16)

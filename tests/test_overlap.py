@@ -85,12 +85,12 @@ def test_overlap_defaults_follow_the_backend_and_dropout_takes_peft_path():
 def test_decoding_runs_product_and_adapter_in_one_fused_call_equal_to_peft(arch, dtype, monkeypatch):
     from peft.tuners.lora import Linear as LoraLinear
 
-    from optimum_pact.backends import torch_backend
+    from optimum_pact.nvfp4.kernels import NativeLinear
 
     calls = []
-    real = torch_backend.linear_native
-    spy = lambda *a, **kw: calls.append(kw.get("lora")) or real(*a, **kw)  # noqa: E731
-    monkeypatch.setattr(torch_backend, "linear_native", spy)
+    real = NativeLinear.run
+    spy = lambda self, x: calls.append(self.lora_versions) or real(self, x)  # noqa: E731
+    monkeypatch.setattr(NativeLinear, "run", spy)
     config = PactConfig(r=4, target_modules="all-linear", init_lora_weights=False)
     model = get_peft_model(tiny_model(arch), config)  # qwen2: q, k, v with bias
     model = model.to(dtype).eval()
@@ -104,8 +104,18 @@ def test_decoding_runs_product_and_adapter_in_one_fused_call_equal_to_peft(arch,
             reference = LoraLinear.forward(layer, x)  # peft's own: the frozen product, then the adapter
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # peft rounds the product to bf16 before the adapter
         torch.testing.assert_close(fused, reference, rtol=tolerance, atol=tolerance)
+    layer = layers[0]
+    with torch.no_grad():  # the bound product follows the adapter: changed in place (an optimizer step), rescaled
+        bound = layer._pact_fused
+        layer.lora_B["default"].weight.mul_(-2)
+        layer.set_scale("default", 0.5)
+        torch.testing.assert_close(layer(x), LoraLinear.forward(layer, x), rtol=tolerance, atol=tolerance)
+        assert layer._pact_fused is not bound
+        bound = layer._pact_fused
+        layer(x)
+        assert layer._pact_fused is bound  # and is reused while nothing changed
     calls.clear()
-    fused = layers[0](x)  # training (autograd on): peft's path, the product dequantized as in training
+    fused = layer(x)  # training (autograd on): peft's path, the product dequantized as in training
     assert all(lora is None for lora in calls)
 
 

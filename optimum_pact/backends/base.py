@@ -28,9 +28,10 @@ class Backend(Protocol):
     A model holds ONE instance (`get_backend`), shared by all its layers: whatever the backend builds once
     (compiled graphs, a started device) lives on that instance.
 
-    Optional: `forward_lora(x, handle, lora_a, lora_b, scaling)` returns `forward(x) + scaling * (x @ A.T) @ B.T`
-    computed in one call, or None where it does not apply; LoRA layers use it at inference (the torch backend's
-    fused decoding product) and run the two apart otherwise.
+    Optional: `bind_lora(handle, lora_a, lora_b, scaling)` returns a callable computing `forward(x) + scaling *
+    (x @ A.T) @ B.T` in one call for the x it takes (None for the others), or None where the backend has no such
+    product. LoRA layers bind it once per adapter at inference (the torch backend's fused decoding product) and
+    run the two apart otherwise.
     """
 
     name: str

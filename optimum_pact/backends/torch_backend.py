@@ -7,11 +7,12 @@ from collections import Counter
 import torch
 
 from ..nvfp4 import NVFP4Tensor, dequantize
-from ..nvfp4.kernels import linear_native, native_available
+from ..nvfp4.kernels import NativeLinear, native_available
 
 # Rows up to which inference (no autograd) runs the fused product; training keeps the dequantize-then-multiply path,
 # so forward, recomputation and input gradient always see the same effective weights in the same dtype.
 FUSED_MAX_ROWS = 8
+FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class TorchBackend:
@@ -58,18 +59,22 @@ class TorchBackend:
         self.counts["input_grad"] += 1
         return self._input_grad(dy, handle)
 
-    def forward_lora(
-        self, x: torch.Tensor, handle: NVFP4Tensor | torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-        scaling: float,
-    ) -> torch.Tensor | None:  # fmt: skip
-        """`forward(x) + scaling * (x @ A.T) @ B.T` in the one fused native pass when the product is fused (see
-        `_fused`), with a single rounding into x's dtype; None otherwise: the caller then runs the two apart."""
-        if not self._fused(x, handle):
+    def bind_lora(
+        self, handle: NVFP4Tensor | torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float
+    ) -> FusedLora | None:
+        """The fused decoding product of `handle` and this adapter as its tensors are now (see `FusedLora`), or None
+        where there is none (a 16-bit weight, the native kernel unavailable)."""
+        if not isinstance(handle, NVFP4Tensor) or not handle.qdata.is_cpu or not native_available():
             return None
-        self.counts["forward"] += 1
-        n, k = handle.shape
-        y = linear_native(handle.qdata, handle.scale, handle.scale_2, x.reshape(-1, k), lora=(lora_a, lora_b, scaling))
-        return y.reshape(*x.shape[:-1], n)
+        return FusedLora(self, handle, (lora_a, lora_b, scaling))
+
+    @staticmethod
+    def native_linear(handle: NVFP4Tensor) -> NativeLinear:
+        """The fused product of `handle` alone, bound on first use and kept on the handle."""
+        native = handle.__dict__.get("_native_linear")
+        if native is None:
+            native = handle.__dict__["_native_linear"] = NativeLinear(handle.qdata, handle.scale, handle.scale_2)
+        return native
 
     @staticmethod
     def _fused(x: torch.Tensor, handle: NVFP4Tensor | torch.Tensor) -> bool:
@@ -79,8 +84,8 @@ class TorchBackend:
             isinstance(handle, NVFP4Tensor)
             and x.is_cpu
             and not torch.is_grad_enabled()
-            and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and x.numel() <= FUSED_MAX_ROWS * handle.shape[1]
+            and x.dtype in FUSED_DTYPES
+            and x.numel() <= FUSED_MAX_ROWS * handle.qdata.shape[1] * 2
             and native_available()
         )
 
@@ -89,8 +94,7 @@ class TorchBackend:
             return x @ handle.to(x.dtype).t()
         n, k = handle.shape
         if self._fused(x, handle):
-            y = linear_native(handle.qdata, handle.scale, handle.scale_2, x.reshape(-1, k))
-            return y.reshape(*x.shape[:-1], n)
+            return self.native_linear(handle)(x.reshape(-1, k)).reshape(*x.shape[:-1], n)
         tile = self.tile_size or n
         if tile >= n:
             return x @ dequantize(handle.qdata, handle.scale, handle.scale_2, x.dtype).t()
@@ -115,3 +119,22 @@ class TorchBackend:
             w = dequantize(handle.qdata[:, packed], handle.scale[:, scales], handle.scale_2, dy.dtype)
             out[..., cols] = dy @ w
         return out
+
+
+class FusedLora:
+    """`x @ deq(W).T + scaling * (x @ A.T) @ B.T` in ONE native pass for the x it fuses (inference, a few rows on the
+    CPU: decoding), with a single rounding into x's dtype; None for any other x (the caller runs the two apart).
+    Bound to the adapter's tensors as they are when built: rebuild it after changing them."""
+
+    def __init__(self, backend: TorchBackend, handle: NVFP4Tensor, lora: tuple[torch.Tensor, torch.Tensor, float]):
+        self.backend, self.native = backend, NativeLinear(handle.qdata, handle.scale, handle.scale_2, lora)
+        self.n, self.k = self.native.n, self.native.k
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        k = self.k
+        if torch.is_grad_enabled() or not x.is_cpu or x.dtype not in FUSED_DTYPES or x.numel() > FUSED_MAX_ROWS * k:
+            return None
+        if x.shape[-1] != k:
+            raise ValueError(f"x of shape {tuple(x.shape)} does not fit an NVFP4 weight of shape {(self.n, k)}")
+        self.backend.counts["forward"] += 1
+        return self.native.run(x.reshape(-1, k)).reshape(*x.shape[:-1], self.n)

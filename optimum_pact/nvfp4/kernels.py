@@ -35,6 +35,26 @@ _lib: ctypes.CDLL | None = None
 _failed = False
 
 
+class _LinearArgs(ctypes.Structure):
+    """`pact_linear_t` in csrc/dequant.c: a packed weight (and adapter) bound for the fused product."""
+
+    _fields_ = [
+        ("qdata", ctypes.c_void_p),
+        ("scale", ctypes.c_void_p),
+        ("block_scale", ctypes.c_void_p),
+        ("q_stride", ctypes.c_int64),
+        ("s_stride", ctypes.c_int64),
+        ("n", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+        ("lora_a", ctypes.c_void_p),
+        ("lora_b", ctypes.c_void_p),
+        ("rank", ctypes.c_int64),
+        ("scale_2", ctypes.c_float),
+        ("scaling", ctypes.c_float),
+        ("scalar", ctypes.c_int32),
+    ]
+
+
 def _machine_id() -> str:
     """What `-march=native` depends on: architecture plus the CPU model and feature flags where Linux tells them."""
     parts = [platform.system(), platform.machine(), platform.processor()]
@@ -99,8 +119,7 @@ def _build() -> ctypes.CDLL:
     lib.pact_nvfp4_dequantize.restype = ctypes.c_int
     lib.pact_nvfp4_has_avx512.restype = ctypes.c_int
     lib.pact_nvfp4_has_avx2.restype = ctypes.c_int
-    lib.pact_nvfp4_linear.argtypes = [ptr, i64, ptr, i64, ctypes.c_float, i64, i64, ptr, i64, ptr, ctypes.c_int]
-    lib.pact_nvfp4_linear.argtypes += [ptr, ptr, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    lib.pact_nvfp4_linear.argtypes = [ctypes.POINTER(_LinearArgs), ptr, i64, ptr, ctypes.c_int, ctypes.c_int]
     lib.pact_nvfp4_linear.restype = ctypes.c_int
     return lib
 
@@ -161,6 +180,72 @@ def dequantize_native(
     return out
 
 
+class NativeLinear:
+    """A packed weight, and optionally one LoRA adapter, bound once for the fused product of few rows (decoding).
+
+    Calling it with `x [m, k]` gives `x @ deq(W).T` (+ `scaling * (x @ A.T) @ B.T` with `lora=(A [r, k], B [n, r],
+    scaling)`), reading the packed weight directly: no dequantized weight is written. Sums run in fp32 and the result
+    is rounded once into x's dtype (fp32, bf16 or fp16). Equals `x.float() @ dequantize_reference(...).T` (plus the
+    adapter's term in fp32) up to fp32 rounding order.
+
+    The checks, the adapter's fp32 copies and the kernel's arguments are made here, once: a decode step calls 200+
+    layers, so each call only checks x and passes two pointers. The object holds the tensors it points into;
+    `lora_versions` are the adapter tensors' versions when bound (a caller that caches it compares them)."""
+
+    def __init__(
+        self,
+        qdata: torch.Tensor,
+        scale: torch.Tensor,
+        scale_2: torch.Tensor,
+        lora: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+        scalar: bool = False,
+    ):
+        self._lib, qdata, scale = _native_weight(qdata, scale)
+        self.n, self.k = qdata.shape[0], qdata.shape[1] * 2
+        a = b = None
+        rank, scaling = 0, 1.0
+        self.lora_versions = None
+        if lora is not None:
+            a, b, scaling = lora
+            self.lora_versions = (a._version, b._version)
+            a, b = a.detach().float().contiguous(), b.detach().float().contiguous()
+            rank = a.shape[0]
+            if a.shape != (rank, self.k) or b.shape != (self.n, rank):
+                raise ValueError(
+                    f"LoRA A {tuple(a.shape)} / B {tuple(b.shape)} do not fit a weight of shape {(self.n, self.k)}"
+                )
+        # fp32(fp32(e4m3) * scale_2) / 2 for every scale byte: the SIMD path's block factor (it multiplies 2 * E2M1)
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+        block_scale = (codes * scale_2.float().reshape(())) * 0.5
+        self._keep = (qdata, scale, block_scale, a, b)  # the memory the arguments point into
+        self._args = _LinearArgs(
+            qdata.data_ptr(), scale.data_ptr(), block_scale.data_ptr(), qdata.stride(0), scale.stride(0),
+            self.n, self.k,
+            a.data_ptr() if a is not None else None, b.data_ptr() if b is not None else None, rank,
+            float(scale_2), float(scaling), int(scalar),
+        )  # fmt: skip
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[1] != self.k:
+            raise ValueError(f"x of shape {tuple(x.shape)} does not fit an NVFP4 weight of shape {(self.n, self.k)}")
+        if x.dtype not in _DTYPES:
+            raise TypeError(f"x must be fp32, bf16 or fp16, not {x.dtype}")
+        return self.run(x)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """`__call__` without its checks, for a caller that has made them (x: CPU, [m, k], fp32 / bf16 / fp16)."""
+        x = x.contiguous()  # read through its pointer: no autograd here
+        out = torch.empty(x.shape[0], self.n, dtype=x.dtype)
+        if out.numel() == 0:
+            return out
+        status = self._lib.pact_nvfp4_linear(
+            self._args, x.data_ptr(), x.shape[0], out.data_ptr(), _DTYPES[x.dtype], torch.get_num_threads()
+        )
+        if status != 0:
+            raise RuntimeError(f"native NVFP4 linear rejected its arguments (status {status})")
+        return out
+
+
 def linear_native(
     qdata: torch.Tensor,
     scale: torch.Tensor,
@@ -169,38 +254,8 @@ def linear_native(
     lora: tuple[torch.Tensor, torch.Tensor, float] | None = None,
     scalar: bool = False,
 ) -> torch.Tensor:
-    """`x [m, k] @ deq(W).T` for a few rows (decoding), reading the packed weight directly: no dequantized weight is
-    written. Sums run in fp32 and the result is rounded once into x's dtype (fp32, bf16 or fp16). Equals
-    `x.float() @ dequantize_reference(...).T` up to the order of the fp32 additions.
-
-    `lora=(A [r, k], B [n, r], scaling)` adds a LoRA adapter's term in the same pass, before the rounding:
-    `+ scaling * (x @ A.T) @ B.T`, all in fp32 (A and B are used in fp32)."""
-    lib, qdata, scale = _native_weight(qdata, scale)
-    n, k = qdata.shape[0], qdata.shape[1] * 2
-    if x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"x of shape {tuple(x.shape)} does not fit an NVFP4 weight of shape {(n, k)}")
-    if x.dtype not in _DTYPES:
-        raise TypeError(f"x must be fp32, bf16 or fp16, not {x.dtype}")
-    x = x.detach().contiguous()
-    a = b = None
-    rank, scaling = 0, 1.0
-    if lora is not None:
-        a, b, scaling = lora
-        a, b = a.detach().float().contiguous(), b.detach().float().contiguous()
-        rank = a.shape[0]
-        if a.shape != (rank, k) or b.shape != (n, rank):
-            raise ValueError(f"LoRA A {tuple(a.shape)} / B {tuple(b.shape)} do not fit a weight of shape {(n, k)}")
-    out = torch.empty(x.shape[0], n, dtype=x.dtype)
-    if out.numel() == 0:
-        return out
-    status = lib.pact_nvfp4_linear(
-        qdata.data_ptr(), qdata.stride(0), scale.data_ptr(), scale.stride(0), float(scale_2), n, k,
-        x.data_ptr(), x.shape[0], out.data_ptr(), _DTYPES[x.dtype], a.data_ptr() if a is not None else None,
-        b.data_ptr() if b is not None else None, rank, float(scaling), int(scalar), torch.get_num_threads(),
-    )  # fmt: skip
-    if status != 0:
-        raise RuntimeError(f"native NVFP4 linear rejected its arguments (status {status})")
-    return out
+    """`x [m, k] @ deq(W).T` for a few rows in one call (see `NativeLinear`, which binds the weight for many)."""
+    return NativeLinear(qdata, scale, scale_2, lora, scalar)(x)
 
 
 def dequantize_torch(
