@@ -8,7 +8,9 @@ default model comes from (`pip install optimum-pact[llama]`; otherwise the arm i
 
 Decode speed excludes the prompt: (new_tokens - 1) / (time to generate new_tokens - time to generate 1).
 Prints one JSON line with medians over rounds and the ratios measured side by side; `pact/best_transformers` sets
-PACT against the faster of transformers' bf16 and fp32 on this CPU.
+PACT against the faster of transformers' bf16 and fp32 on this CPU. `pact_ms_per_token` is where PACT's decoding
+time goes, from timers around the parts in one more PACT run after the rounds: the native products, the adapter layers
+(which include them), the output head (every plain `nn.Linear`) and the rest (transformers' own per-token work).
 
     python benchmarks/bench_decode.py --rounds 3
 """
@@ -77,6 +79,41 @@ def llama_cpp_arm(prompt: list[int], new: int, threads: int):
     return run
 
 
+def breakdown(model, ids: torch.Tensor, new: int) -> dict[str, float]:
+    """Milliseconds per decoded token in each part of PACT's decoding (timers around them; prompt excluded)."""
+    from optimum_pact.nvfp4.kernels import NativeLinear
+    from peft_ext.layer import PactLoraLinear
+
+    spent: dict[str, float] = {}
+    patched = [(NativeLinear, "run", "native_products"), (PactLoraLinear, "forward", "adapter_layers")]
+    patched.append((torch.nn.Linear, "forward", "output_head"))
+    originals = [(cls, name, getattr(cls, name)) for cls, name, _ in patched]
+
+    def timed(real, part):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                spent[part] = spent.get(part, 0.0) + time.perf_counter() - start
+
+        return wrapper
+
+    try:
+        for cls, name, part in patched:
+            setattr(cls, name, timed(getattr(cls, name), part))
+        first = timed_generate(model, ids, 1)
+        prompt_only = dict(spent)
+        total = timed_generate(model, ids, new) - first
+    finally:
+        for cls, name, real in originals:
+            setattr(cls, name, real)
+    per_token = {part: (spent[part] - 2 * prompt_only.get(part, 0.0)) / (new - 1) * 1e3 for part in spent}
+    per_token["total"] = total / (new - 1) * 1e3
+    per_token["rest"] = per_token["total"] - per_token["adapter_layers"] - per_token.get("output_head", 0.0)
+    return {part: round(ms, 2) for part, ms in per_token.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
@@ -113,6 +150,7 @@ def main() -> None:
             if r:
                 tps[name].append(value)
     med = {name: statistics.median(values) for name, values in tps.items()}
+    parts = breakdown(pact, ids, args.new_tokens)
     ratio = {"pact/bf16": med["pact"] / med["bf16"], "pact/fp32": med["pact"] / med["fp32"]}
     ratio["pact/best_transformers"] = med["pact"] / max(med["bf16"], med["fp32"])
     ratio["dup/pact"] = med["pact_dup"] / med["pact"]
@@ -132,6 +170,7 @@ def main() -> None:
                 "tokens_per_s_median": {k: round(v, 2) for k, v in med.items()},
                 "tokens_per_s_all": {k: [round(v, 2) for v in vs] for k, vs in tps.items()},
                 "ratios": {k: round(v, 3) for k, v in ratio.items()},
+                "pact_ms_per_token": parts,
                 "llama_cpp": "measured" if "llama_cpp" in med else "not installed (pip install optimum-pact[llama])",
                 "targets": {
                     "pact_ge_bf16": ratio["pact/bf16"] >= 1.0,
