@@ -19,7 +19,9 @@ class FusedAdapter:
     __slots__ += ("product",)
 
     def __init__(self, layer):
-        self.active, self.disabled, self.training = layer._active_adapter, layer._disable_adapters, layer.training
+        active = layer._active_adapter  # a name or a list of names: copied, so a list changed in place is seen
+        self.active = list(active) if isinstance(active, list) else active
+        self.disabled, self.training = layer._disable_adapters, layer.training
         self.base = layer.base_layer
         self.handle = self.base.handle  # prepares it if needed; `current` compares it with the base layer's
         self.adapter = layer._plain_adapter((), {})
@@ -32,7 +34,7 @@ class FusedAdapter:
 
     def current(self, layer) -> bool:
         if not (
-            layer._active_adapter is self.active
+            layer._active_adapter == self.active
             and layer._disable_adapters == self.disabled
             and layer.training == self.training
             and layer.base_layer is self.base
