@@ -32,6 +32,8 @@ from transformers import AutoModelForCausalLM
 
 from optimum_pact.commands.default_model import default_gguf_path, ensure_default_model
 from optimum_pact.commands.modeling import PactModelForCausalLM
+from optimum_pact.nvfp4.kernels import NativeLinear
+from peft_ext.layer import PactLoraLinear
 
 
 def cpu_model() -> str:
@@ -81,9 +83,6 @@ def llama_cpp_arm(prompt: list[int], new: int, threads: int):
 
 def breakdown(model, ids: torch.Tensor, new: int) -> dict[str, float]:
     """Milliseconds per decoded token in each part of PACT's decoding (timers around them; prompt excluded)."""
-    from optimum_pact.nvfp4.kernels import NativeLinear
-    from peft_ext.layer import PactLoraLinear
-
     spent: dict[str, float] = {}
     patched = [(NativeLinear, "run", "native_products"), (PactLoraLinear, "forward", "adapter_layers")]
     patched.append((torch.nn.Linear, "forward", "output_head"))

@@ -15,6 +15,12 @@ FUSED_MAX_ROWS = 8
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _fusable(x: torch.Tensor, k: int) -> bool:
+    """Whether the fused product takes `x` against a weight with `k` inputs: inference (no autograd) on at most
+    FUSED_MAX_ROWS rows of a CPU tensor in a dtype the kernel reads."""
+    return not torch.is_grad_enabled() and x.is_cpu and x.dtype in FUSED_DTYPES and x.numel() <= FUSED_MAX_ROWS * k
+
+
 class TorchBackend:
     """Dequantizes the packed weight tile by tile and multiplies each tile at once.
 
@@ -80,14 +86,7 @@ class TorchBackend:
     def _fused(x: torch.Tensor, handle: NVFP4Tensor | torch.Tensor) -> bool:
         """Inference (no autograd) on a few rows of an NVFP4 weight on the CPU, i.e. decoding: one pass over the
         packed weight, fp32 sums, never a dequantized weight in memory."""
-        return (
-            isinstance(handle, NVFP4Tensor)
-            and x.is_cpu
-            and not torch.is_grad_enabled()
-            and x.dtype in FUSED_DTYPES
-            and x.numel() <= FUSED_MAX_ROWS * handle.qdata.shape[1] * 2
-            and native_available()
-        )
+        return isinstance(handle, NVFP4Tensor) and _fusable(x, handle.qdata.shape[1] * 2) and native_available()
 
     def _forward(self, x: torch.Tensor, handle: NVFP4Tensor | torch.Tensor) -> torch.Tensor:
         if isinstance(handle, torch.Tensor):
@@ -132,7 +131,7 @@ class FusedLora:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
         k = self.k
-        if torch.is_grad_enabled() or not x.is_cpu or x.dtype not in FUSED_DTYPES or x.numel() > FUSED_MAX_ROWS * k:
+        if not _fusable(x, k):
             return None
         if x.shape[-1] != k:
             raise ValueError(f"x of shape {tuple(x.shape)} does not fit an NVFP4 weight of shape {(self.n, k)}")
