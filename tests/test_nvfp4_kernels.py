@@ -273,9 +273,10 @@ def test_threads_concurrent_callers_and_fork():
 
 @needs_native
 @pytest.mark.parametrize("scalar", [False, True])
-@pytest.mark.parametrize(("rows", "n", "k"), [(1, 80, 96), (3, 1536, 576), (8, 64, 4864)])
+# k: whole groups of 4 blocks (576, 4864) and groups plus 1-3 blocks (96, 112, 48), the AVX2 path's two loops
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 80, 96), (3, 1536, 576), (8, 64, 4864), (2, 40, 112), (1, 8, 48)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rank", [0, 8])
+@pytest.mark.parametrize("rank", [0, 8, 12])
 def test_fused_linear_equals_the_reference_up_to_fp32_summation_order(scalar, rows, n, k, dtype, rank):
     from optimum_pact.nvfp4.kernels import linear_native
 
