@@ -1,8 +1,8 @@
 """Decode speed: tokens per second generating on SmolLM2-135M-Instruct, batch 1, greedy.
 
 Arms, interleaved round by round (each round runs every arm once, in a rotated order): PACT (`PactModelForCausalLM`,
-torch backend, `dtype="auto"` as `pact generate` runs it: bf16 where the CPU computes bf16 natively, else fp32, with
-an r=8 all-linear adapter: the user's case), the same PACT model again (the noise arm), transformers bf16 and fp32
+torch backend, `dtype="auto"` as `pact generate` runs it (bf16 for inference), with an r=8 all-linear adapter: the
+user's case), the same PACT model again (the noise arm), transformers bf16 and fp32
 eager on the dequantized-GGUF weights without an adapter, and llama.cpp through llama-cpp-python on the Q4_1 GGUF the
 default model comes from (`pip install optimum-pact[llama]`; otherwise the arm is reported missing).
 

@@ -37,7 +37,7 @@ class FusedAdapter:
             layer._active_adapter == self.active
             and layer._disable_adapters == self.disabled
             and layer.training == self.training
-            and layer.base_layer is self.base
+            and layer._modules["base_layer"] is self.base  # `layer.base_layer` goes through nn.Module.__getattr__
             and self.base._handle is self.handle
         ):
             return False

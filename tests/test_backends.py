@@ -116,6 +116,28 @@ def test_torch_backend_runs_on_the_cpu_and_keeps_bf16():
 
 
 @needs_qnn
+@pytest.mark.parametrize("native", [False, True])
+def test_torch_backend_multiplies_bf16_in_fp32_where_bf16_is_emulated(monkeypatch, native):
+    """Without native bf16 (AVX2 CPUs) a bf16 product of many rows is the fp32 product of the same bf16 values,
+    rounded once: the same effective weights, forward and input gradient; with it, torch's bf16 product."""
+    from optimum_pact.backends import torch_backend
+
+    monkeypatch.setattr(torch_backend, "native_bf16", lambda: native)
+    torch.manual_seed(0)
+    backend, q = TorchBackend(), quantize(torch.randn(256, 576))  # big enough that the two products differ here
+    w = q.dequantize(torch.bfloat16)
+    x, dy = torch.randn(2, 64, 576, dtype=torch.bfloat16), torch.randn(2, 64, 256, dtype=torch.bfloat16)
+    y, dx = backend.forward(x, q), backend.input_grad(dy, q)
+    if native:
+        expected_y, expected_dx = x @ w.T, dy @ w
+    else:
+        expected_y, expected_dx = (x.float() @ w.float().T).bfloat16(), (dy.float() @ w.float()).bfloat16()
+    assert y.dtype == dx.dtype == torch.bfloat16
+    torch.testing.assert_close(y, expected_y, atol=0, rtol=0)
+    torch.testing.assert_close(dx, expected_dx, atol=0, rtol=0)
+    torch.testing.assert_close(y.double(), x.double() @ w.double().T, atol=1e-6, rtol=2**-8)  # one bf16 rounding
+
+
 def test_qnn_backend_runs_beside_the_cpu_and_stores_fp16():
     backend = get_backend("qnn", cache=False)
     assert (backend.name, backend.requested, backend.reason) == ("qnn", "qnn", "requested")

@@ -313,7 +313,7 @@ def test_the_torch_backend_fuses_only_inference_on_few_rows(monkeypatch):
     x = torch.randn(1, 2, 96, dtype=torch.bfloat16)
     with torch.no_grad():
         fused = backend.forward(x, q)
-    assert calls == [(2, 96)] and fused.shape == (1, 2, 64) and fused.dtype == torch.bfloat16
+    assert calls == [(1, 2, 96)] and fused.shape == (1, 2, 64) and fused.dtype == torch.bfloat16
     reference = (x.float() @ q.dequantize(torch.float32).T).to(torch.bfloat16)
     torch.testing.assert_close(fused, reference, atol=0, rtol=1e-2)
     trained = backend.forward(x, q)  # grad enabled: training's path, the same as the input gradient's weights

@@ -57,7 +57,8 @@ def test_the_merged_folder_reloads_as_reported_and_computes_the_merge(small_mode
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     frozen = {n for n, m in reloaded.named_modules() if isinstance(m, FrozenLinear)}
     assert len(frozen) == 7 and not frozen & set(report.kept_16bit)  # the kept ones load as plain bf16 linears
-    pact = PactModelForCausalLM.from_pretrained(str(small_model), adapter=str(small_delta))  # bf16, as exported
+    exported = resolve_dtype("auto")  # the export's dtype: as `pact finetune` picks (generation's "auto" is bf16)
+    pact = PactModelForCausalLM.from_pretrained(str(small_model), adapter=str(small_delta), dtype=exported)
     weights, _ = merged_weights(pact, "nvfp4", 0.5)
     for name, weight in weights.items():
         module = reloaded.get_submodule(name)

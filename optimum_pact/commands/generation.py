@@ -37,7 +37,7 @@ class _GenerateOwn:
     top_p: float = field(default=1.0, metadata={"help": "Sampling: nucleus probability mass."})
     dtype: str = field(
         default="auto",
-        metadata={"help": "Compute dtype; auto: bfloat16 where the CPU computes it natively, else float32.",
+        metadata={"help": "Compute dtype; auto: bfloat16 (the frozen weights stay NVFP4 either way).",
                   "choices": list(DTYPES)},
     )  # fmt: skip
 

@@ -52,7 +52,7 @@ class PactModelForCausalLM:
         """Load `base` (a model folder or Hub id; None: the default model) on the NVFP4 base with `backend`, then
         `adapter`: a folder, or {name: folder} for several (the first is active)."""
         path = resolve_model(base)
-        dtype = resolve_dtype(dtype)  # "auto": bf16 where the CPU computes it natively, else fp32
+        dtype = resolve_dtype(dtype, inference=True)  # "auto": bf16 (see resolve_dtype)
         quantization = PactQuantizationConfig(backend=backend, backend_options=backend_options)
         model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization, dtype=dtype)
         model.eval()

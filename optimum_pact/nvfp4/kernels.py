@@ -183,7 +183,7 @@ def dequantize_native(
 class NativeLinear:
     """A packed weight, and optionally one LoRA adapter, bound once for the fused product of few rows (decoding).
 
-    Calling it with `x [m, k]` gives `x @ deq(W).T` (+ `scaling * (x @ A.T) @ B.T` with `lora=(A [r, k], B [n, r],
+    Calling it with `x [..., k]` gives `x @ deq(W).T` (+ `scaling * (x @ A.T) @ B.T` with `lora=(A [r, k], B [n, r],
     scaling)`), reading the packed weight directly: no dequantized weight is written. Sums run in fp32 and the result
     is rounded once into x's dtype (fp32, bf16 or fp16). Equals `x.float() @ dequantize_reference(...).T` (plus the
     adapter's term in fp32) up to fp32 rounding order.
@@ -226,20 +226,22 @@ class NativeLinear:
         )  # fmt: skip
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[1] != self.k:
+        if x.dim() < 1 or x.shape[-1] != self.k:
             raise ValueError(f"x of shape {tuple(x.shape)} does not fit an NVFP4 weight of shape {(self.n, self.k)}")
         if x.dtype not in _DTYPES:
             raise TypeError(f"x must be fp32, bf16 or fp16, not {x.dtype}")
         return self.run(x)
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
-        """`__call__` without its checks, for a caller that has made them (x: CPU, [m, k], fp32 / bf16 / fp16)."""
+        """`__call__` without its checks, for a caller that has made them (x: CPU, [..., k], fp32 / bf16 / fp16),
+        giving [..., n]: the leading dimensions are kept, so a decoding step's [1, 1, k] needs no reshape (each
+        costs about as much as the checks)."""
         x = x.contiguous()  # read through its pointer: no autograd here
-        out = torch.empty(x.shape[0], self.n, dtype=x.dtype)
+        out = torch.empty(x.shape[:-1] + (self.n,), dtype=x.dtype)
         if out.numel() == 0:
             return out
         status = self._lib.pact_nvfp4_linear(
-            self._args, x.data_ptr(), x.shape[0], out.data_ptr(), _DTYPES[x.dtype], torch.get_num_threads()
+            self._args, x.data_ptr(), x.numel() // self.k, out.data_ptr(), _DTYPES[x.dtype], torch.get_num_threads()
         )
         if status != 0:
             raise RuntimeError(f"native NVFP4 linear rejected its arguments (status {status})")
