@@ -7,6 +7,7 @@ below `optimum_pact.commands` needs torch and transformers only; `optimum_pact.c
 
 from .backends import get_backend
 from .dataflow import FrozenLinear
+from .fusion import fuse_cpu_ops
 from .memory import MemorySavers
 from .nvfp4 import NVFP4Tensor, quantize
 from .quantizer import PactQuantizationConfig
@@ -19,6 +20,7 @@ __all__ = [
     "NVFP4Tensor",
     "PactQuantizationConfig",
     "__version__",
+    "fuse_cpu_ops",
     "get_backend",
     "quantize",
 ]

@@ -10,6 +10,7 @@ import torch
 from transformers import Trainer, TrainerCallback, default_data_collator
 
 from optimum_pact.dataflow import FrozenLinear
+from optimum_pact.fusion import fuse_cpu_ops
 from optimum_pact.memory import MemorySavers, OffloadError, check_subset_k
 from peft_ext.conversion import apply_pact_options
 
@@ -44,6 +45,7 @@ class PactTrainer(Trainer):
             logger.warning("PactTrainer: the model has no FrozenLinear; apply PactConfig with get_peft_model first.")
         self.resources = None
         self.memory_savers: MemorySavers | None = None  # set while train() runs with pact_memory_saver
+        self.fused_cpu_ops = None  # optimum_pact.fusion.FusedCpuOps, set by train() with pact_fuse_cpu_ops
         if isinstance(self.args, PactTrainingArguments):
             if self.args.pact_num_threads is not None:
                 self.add_callback(_ThreadsCallback(self.args.pact_num_threads))
@@ -113,13 +115,17 @@ class PactTrainer(Trainer):
         elif self.resumable is not None and isinstance(resume_from_checkpoint, (str, Path)):
             self.resumable.check_checkpoint(resume_from_checkpoint, self.model)
             resume_from_checkpoint = str(resume_from_checkpoint)
-        self.memory_savers = self._start_memory_savers()
+        fuse = isinstance(self.args, PactTrainingArguments) and self.args.pact_fuse_cpu_ops
+        self.fused_cpu_ops = fuse_cpu_ops(self.model) if fuse else None  # before the savers: they chunk the fused MLPs
         try:
+            self.memory_savers = self._start_memory_savers()
             return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:  # also on a failed step: the forwards are restored and the offload files deleted
             if self.memory_savers is not None:
                 self.memory_savers.close()
                 self.memory_savers = None
+            if self.fused_cpu_ops is not None:
+                self.fused_cpu_ops.restore()
 
     def _start_memory_savers(self) -> MemorySavers | None:
         args = self.args
@@ -147,4 +153,6 @@ class PactTrainer(Trainer):
         for callback in (self.pacer, self.resumable):
             if callback is not None:
                 logs = {**logs, **callback.metrics()}
+        if self.fused_cpu_ops is not None:
+            logs = {**logs, "fused_cpu_ops_compile_s": round(self.fused_cpu_ops.compile_seconds(), 2)}
         super().log(logs, *args, **kwargs)

@@ -79,6 +79,14 @@ class PactTrainingArguments(TrainingArguments, PactModelArguments):
         default=None,
         metadata={"help": "CPU threads torch uses while training (torch.set_num_threads); None keeps the default."},
     )
+    pact_fuse_cpu_ops: bool = field(
+        default=False,
+        metadata={
+            "help": "Compile each RMSNorm and gated MLP activation (torch.compile, once per model class and shape "
+            "bucket) so the step's element-wise CPU work runs fused; the compile time is logged. "
+            "optimum_pact.fuse_cpu_ops(model) does the same without PactTrainer."
+        },
+    )
     pact_report_resources: bool = field(
         default=True,
         metadata={"help": "Log the process's peak resident memory and the training throughput with the metrics."},
@@ -178,6 +186,10 @@ class PactTrainingArguments(TrainingArguments, PactModelArguments):
             raise OptionError(
                 "pact_num_threads",
                 f"pact_num_threads={self.pact_num_threads!r} must be a positive integer (None: torch's default).",
+            )
+        if not isinstance(self.pact_fuse_cpu_ops, bool):
+            raise OptionError(
+                "pact_fuse_cpu_ops", f"pact_fuse_cpu_ops={self.pact_fuse_cpu_ops!r} must be True or False."
             )
         check_pacing_options(
             self.pact_thermal_limit_c,

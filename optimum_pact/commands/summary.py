@@ -38,6 +38,7 @@ class FinetuneSummary:
     answer_before: str | None = None
     answer_after: str | None = None
     dtype: str | None = None  # the compute dtype (`--dtype auto` resolved)
+    fused_compile_s: float | None = None  # pact_fuse_cpu_ops: seconds spent compiling the fused CPU ops
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -59,6 +60,12 @@ class FinetuneSummary:
         else:
             text = f"{total} in training: " + ", ".join(f"{n} on {name}" for name, n in sorted(counts.items()))
         return text + (f"; {self.guarded_rows} rows range-guarded" if self.guarded_rows else "")
+
+    def _rate(self) -> str:
+        rate = f"{self.steps_per_second:.2f} steps/s"
+        if self.fused_compile_s is None:
+            return rate
+        return f"{rate}; CPU ops fused, {self.fused_compile_s:.1f} s of it compiling"
 
     def _savers(self) -> str:
         return "" if self.memory_saver == "none" else f" (memory savers: {self.memory_saver})"
@@ -87,7 +94,7 @@ class FinetuneSummary:
             ("data", f"{self.train_items} train / {self.heldout_items} held-out items ({self.data_format})"),
             *self._heldout(),
             ("final training loss", f"{self.final_loss:.4f}"),
-            ("steps", f"{self.steps} in {self.train_seconds:.1f} s ({self.steps_per_second:.2f} steps/s)"),
+            ("steps", f"{self.steps} in {self.train_seconds:.1f} s ({self._rate()})"),
             ("peak memory (RSS)", f"{self.peak_rss_gib:.2f} GiB" + self._savers()),
             ("frozen linears", self._linears()),
             ("frozen-weight products", self._products()),

@@ -120,6 +120,7 @@ class BlockCheckpointing:
         self.cache = _StepCache(int(cache_mib * 2**20))
         self.mlp_chunk_tokens = mlp_chunk_tokens
         self._wrapped: list[nn.Module] = []
+        self._replaced: dict[nn.Module, Callable] = {}  # an MLP's own instance forward (a fused one) wrapped in chunks
         for index, block in enumerate(self.blocks):
             self._wrap(index, block)
 
@@ -137,7 +138,9 @@ class BlockCheckpointing:
         block.forward = forward
         self._wrapped.append(block)
         mlp = getattr(block, "mlp", None)
-        if self.mlp_chunk_tokens is not None and isinstance(mlp, nn.Module) and "forward" not in vars(mlp):
+        if self.mlp_chunk_tokens is not None and isinstance(mlp, nn.Module):
+            if "forward" in vars(mlp):  # replaced before (optimum_pact.fusion): chunk that one, give it back after
+                self._replaced[mlp] = vars(mlp)["forward"]
             mlp.forward = functools.partial(_chunked_mlp, mlp.forward, mlp, self.mlp_chunk_tokens)
             self._wrapped.append(mlp)
 
@@ -185,6 +188,8 @@ class BlockCheckpointing:
         """Give every wrapped module its own forward back."""
         for module in self._wrapped:
             vars(module).pop("forward", None)
+            if module in self._replaced:
+                module.forward = self._replaced.pop(module)
         self._wrapped = []
 
 
