@@ -58,7 +58,7 @@ class FusedCpuOps:
     process's compile time since fusing (paid on the first step of each shape bucket)."""
 
     def __init__(self, model: nn.Module):
-        self.model, self._fused, self._start = model, [], compile_seconds()
+        self._fused, self._start = [], compile_seconds()
         for module in model.modules():
             if "forward" in vars(module):
                 continue
