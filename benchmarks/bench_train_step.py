@@ -1,60 +1,90 @@
-"""One whole LoRA training step of SmolLM2-135M (real weights), one fresh process per arm.
+"""One whole LoRA training step, one fresh process per arm, arms interleaved over several sessions.
 
-Arms: peft fp32 LoRA, peft bf16 LoRA (twice: the second copy is the noise floor), peft + bitsandbytes QLoRA
-(nf4, bf16 compute), and PACT (NVFP4 data-flow base, bf16 activations). Every arm: batch 4 x seq 512, r=16 on
-all linears, AdamW on the adapter, forward + backward + optimizer step. Reports the median step time and the
-process's peak RSS (VmHWM), and prints one JSON line with the ratios.
+Arms (`--dtype` is the compute dtype of every arm but lora_fp32; bf16 by default):
+  lora            peft LoRA, stock                   lora_dup      the same again: its ratio is the noise floor
+  lora_compile    peft LoRA with the norms and gated activations compiled (optimum_pact.fuse_cpu_ops: the peer
+                  given the same fusion)
+  lora_pinned     peft LoRA with glibc's mmap threshold pinned (optimum_pact.pin_mmap_threshold: the peer given the
+                  same allocator setting)
+  qlora_nf4       peft + bitsandbytes nf4             lora_fp32     peft LoRA in fp32 (the accuracy reference)
+  pact            PactConfig as PactTrainer runs it (threshold pinned)     pact_fused    pact + fuse_cpu_ops
+Every arm: r=16 on all linears, AdamW on the adapter, forward + backward + optimizer step, one warm-up step (it also
+pays the compile arms' compile time) then `--steps` timed ones. Per arm: median step time and the process's peak RSS
+(VmHWM, mapped pages included). Sizes: `smollm2` (SmolLM2-135M, real weights, batch 4 x 512) and `qwen2.5-0.5b`
+(its published architecture, random weights, batch 2 x 512). Each session runs every arm once, in a rotated order;
+every ratio is given per session, as the median over sessions, and beside the noise floor (lora_dup / lora) of the
+same sessions. The last line is JSON.
 
-    python benchmarks/bench_train_step.py [--steps 3] [--batch 4] [--seq 512]
+    python benchmarks/bench_train_step.py [--size smollm2] [--sessions 3] [--steps 2] [--dtype bfloat16]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import platform
 import statistics
 import subprocess
 import sys
 import time
 
-ARMS = ("lora_fp32", "lora_bf16", "qlora_nf4", "pact", "lora_bf16_dup")
+from aqlora_timing import model_folder
+
+ARMS = ("lora", "lora_dup", "lora_compile", "lora_pinned", "qlora_nf4", "lora_fp32", "pact", "pact_fused")
+SIZES = {"smollm2": ("smollm2", 4), "qwen2.5-0.5b": ("qwen2.5-0.5b", 2)}  # model_folder key, default batch
+RATIOS = {  # name: (arm, over arm)
+    "pact_vs_lora": ("pact", "lora"),
+    "pact_fused_vs_lora": ("pact_fused", "lora"),
+    "pact_fused_vs_lora_compile": ("pact_fused", "lora_compile"),
+    "pact_vs_lora_compile": ("pact", "lora_compile"),
+    "pact_vs_qlora": ("pact", "qlora_nf4"),
+    "pact_vs_lora_fp32": ("pact", "lora_fp32"),
+    "lora_compile_vs_lora": ("lora_compile", "lora"),
+    "noise_dup_vs_lora": ("lora_dup", "lora"),
+}
 
 
-def build(arm: str, model_path: str, r: int):
+def build(arm: str, model_path: str, r: int, dtype_name: str):
+    """The model of one arm with its adapters trainable, and the arm's help (compile, allocator) applied."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from optimum_pact import fuse_cpu_ops, pin_mmap_threshold
     from peft_ext import PactConfig
 
     lora = dict(r=r, lora_alpha=2 * r, target_modules="all-linear", task_type="CAUSAL_LM")
-    dtype = torch.float32 if arm == "lora_fp32" else torch.bfloat16
-    if arm != "qlora_nf4":
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
-        return get_peft_model(model, (PactConfig if arm == "pact" else LoraConfig)(**lora))
-    from peft import prepare_model_for_kbit_training
-    from transformers import BitsAndBytesConfig
+    dtype = torch.float32 if arm == "lora_fp32" else getattr(torch, dtype_name)
+    if arm in ("pact", "pact_fused", "lora_pinned"):
+        pin_mmap_threshold()  # what PactTrainer does by default (pact_mmap_threshold)
+    if arm == "qlora_nf4":
+        from peft import prepare_model_for_kbit_training
+        from transformers import BitsAndBytesConfig
 
-    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, quantization_config=quant)
-    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    return get_peft_model(model, LoraConfig(**lora))
+        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, quantization_config=quant)
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        return get_peft_model(model, LoraConfig(**lora))
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    model = get_peft_model(model, (PactConfig if arm.startswith("pact") else LoraConfig)(**lora))
+    if arm in ("lora_compile", "pact_fused"):
+        fuse_cpu_ops(model)
+    return model
 
 
-def run_arm(arm: str, model_path: str, steps: int, batch: int, seq: int, r: int) -> dict:
+def run_arm(arm: str, model_path: str, steps: int, batch: int, seq: int, r: int, dtype_name: str) -> dict:
     import torch
 
     from trainer_callbacks.resources import peak_rss_bytes
 
-    torch.set_num_threads(2)
     torch.manual_seed(0)
-    model = build(arm, model_path, r)
+    model = build(arm, model_path, r, dtype_name)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq))
     times = []
-    for i in range(steps + 1):  # the first step warms up
+    for i in range(steps + 1):  # the first step warms up (and compiles)
         start = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -65,47 +95,74 @@ def run_arm(arm: str, model_path: str, steps: int, batch: int, seq: int, r: int)
     return {"arm": arm, "step_s": statistics.median(times), "steps_s": times, "peak_rss_gib": peak_rss_bytes() / 2**30}
 
 
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        model = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+        flags = next((line for line in out.splitlines() if line.startswith("Flags")), "")
+    except (OSError, StopIteration):
+        return platform.processor()
+    return f"{model}; amx={'amx_tile' in flags}; avx512_bf16={'avx512_bf16' in flags}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)  # internal: run one arm in this process
-    parser.add_argument("--model", help="model folder (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--model", help="model folder (default: the --size model)")
+    parser.add_argument("--size", choices=SIZES, default="smollm2")
+    parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of: " + ", ".join(ARMS))
+    parser.add_argument("--sessions", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per arm and session (after one warm-up)")
+    parser.add_argument("--batch", type=int, help="default: 4 for smollm2, 2 for qwen2.5-0.5b")
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--r", type=int, default=16)
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args()
-    if args.model is None:
-        from optimum_pact.commands.default_model import ensure_default_model
-
-        args.model = str(ensure_default_model())
+    key, batch = SIZES[args.size]
+    args.batch = args.batch or batch
+    args.model = args.model or model_folder(key, quick=False)
     if args.arm:
-        print(json.dumps(run_arm(args.arm, args.model, args.steps, args.batch, args.seq, args.r)))
+        if args.threads:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        print(json.dumps(run_arm(args.arm, args.model, args.steps, args.batch, args.seq, args.r, args.dtype)))
         return
 
-    results = {}
-    for arm in ARMS:
-        cmd = [sys.executable, __file__, "--arm", arm, "--model", args.model, "--steps", str(args.steps)]
-        cmd += ["--batch", str(args.batch), "--seq", str(args.seq), "--r", str(args.r)]
-        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-        results[arm] = json.loads(out.strip().splitlines()[-1])
-        print(f"{arm:>14}: {results[arm]['step_s']:.2f} s/step, peak RSS {results[arm]['peak_rss_gib']:.2f} GiB")
-    step = {arm: res["step_s"] for arm, res in results.items()}
-    rss = {arm: res["peak_rss_gib"] for arm, res in results.items()}
-    ratios = {
-        "pact_vs_bf16": step["pact"] / step["lora_bf16"],
-        "pact_vs_qlora": step["pact"] / step["qlora_nf4"],
-        "pact_vs_fp32": step["pact"] / step["lora_fp32"],
-        "noise_dup_vs_bf16": step["lora_bf16_dup"] / step["lora_bf16"],
-        "pact_rss_vs_bf16": rss["pact"] / rss["lora_bf16"],
-    }
-    targets = {
-        "pact_le_1.05x_bf16": ratios["pact_vs_bf16"] <= 1.05,
-        "pact_below_qlora": ratios["pact_vs_qlora"] < 1.0,
-        "pact_rss_below_bf16": ratios["pact_rss_vs_bf16"] < 1.0,
-    }
-    config = {"batch": args.batch, "seq": args.seq, "r": args.r, "steps": args.steps}
+    arms = [a for a in args.arms.split(",") if a]
+    if unknown := set(arms) - set(ARMS):
+        parser.error(f"--arms: unknown {sorted(unknown)}; choose from {', '.join(ARMS)}")
+    sessions = []
+    for s in range(args.sessions):
+        order = arms[s % len(arms) :] + arms[: s % len(arms)]  # rotated: no arm always runs first or last
+        session = {}
+        for arm in order:
+            cmd = [sys.executable, __file__, "--arm", arm, "--model", args.model, "--steps", str(args.steps)]
+            cmd += ["--batch", str(args.batch), "--seq", str(args.seq), "--r", str(args.r), "--dtype", args.dtype]
+            cmd += ["--threads", str(args.threads)] if args.threads else []
+            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+            session[arm] = json.loads(out.strip().splitlines()[-1])
+            res = session[arm]
+            print(f"session {s}: {arm:>13} {res['step_s']:.2f} s/step, peak RSS {res['peak_rss_gib']:.2f} GiB",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        sessions.append(session)
+    step = {a: statistics.median(sess[a]["step_s"] for sess in sessions) for a in arms}
+    rss = {a: statistics.median(sess[a]["peak_rss_gib"] for sess in sessions) for a in arms}
+    ratios = {}
+    for name, (num, den) in RATIOS.items():
+        if num in arms and den in arms:
+            per = [sess[num]["step_s"] / sess[den]["step_s"] for sess in sessions]
+            ratios[name] = {"median": statistics.median(per), "min": min(per), "max": max(per), "sessions": per}
+    noise = ratios.get("noise_dup_vs_lora", {}).get("median")
+    rss_ratios = {f"{a}_rss_vs_lora": rss[a] / rss["lora"] for a in arms if a != "lora" and "lora" in arms}
+    config = {"size": args.size, "batch": args.batch, "seq": args.seq, "r": args.r, "dtype": args.dtype,
+              "steps": args.steps, "sessions": args.sessions, "cpu": cpu_model()}  # fmt: skip
+    for name, ratio in ratios.items():
+        beside = f"; noise {noise:.3f}" if noise else ""
+        print(f"{name:>28}: {ratio['median']:.3f} (sessions {ratio['min']:.3f}-{ratio['max']:.3f}){beside}")
     print(json.dumps({"bench": "train_step", **config, "step_s": step, "peak_rss_gib": rss, "ratios": ratios,
-                      "targets_met": targets}))  # fmt: skip
+                      "noise_dup_vs_lora": noise, "rss_ratios": rss_ratios}))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ below `optimum_pact.commands` needs torch and transformers only; `optimum_pact.c
 from .backends import get_backend
 from .dataflow import FrozenLinear
 from .fusion import fuse_cpu_ops
-from .memory import MemorySavers
+from .memory import MemorySavers, pin_mmap_threshold
 from .nvfp4 import NVFP4Tensor, quantize
 from .quantizer import PactQuantizationConfig
 
@@ -22,5 +22,6 @@ __all__ = [
     "__version__",
     "fuse_cpu_ops",
     "get_backend",
+    "pin_mmap_threshold",
     "quantize",
 ]

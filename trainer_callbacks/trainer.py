@@ -11,7 +11,7 @@ from transformers import Trainer, TrainerCallback, default_data_collator
 
 from optimum_pact.dataflow import FrozenLinear
 from optimum_pact.fusion import fuse_cpu_ops
-from optimum_pact.memory import MemorySavers, OffloadError, check_subset_k
+from optimum_pact.memory import MemorySavers, OffloadError, check_subset_k, pin_mmap_threshold
 from peft_ext.conversion import apply_pact_options
 
 from .resources import ResourceReportCallback
@@ -115,6 +115,8 @@ class PactTrainer(Trainer):
         elif self.resumable is not None and isinstance(resume_from_checkpoint, (str, Path)):
             self.resumable.check_checkpoint(resume_from_checkpoint, self.model)
             resume_from_checkpoint = str(resume_from_checkpoint)
+        if isinstance(self.args, PactTrainingArguments) and self.args.pact_mmap_threshold is not None:
+            pin_mmap_threshold(self.args.pact_mmap_threshold)
         fuse = isinstance(self.args, PactTrainingArguments) and self.args.pact_fuse_cpu_ops
         self.fused_cpu_ops = fuse_cpu_ops(self.model) if fuse else None  # before the savers: they chunk the fused MLPs
         try:

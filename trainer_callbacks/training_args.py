@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from optimum_pact.errors import OptionError
-from optimum_pact.memory import MEMORY_SAVER_PRESETS, check_subset_k
+from optimum_pact.memory import DEFAULT_MMAP_THRESHOLD, MEMORY_SAVER_PRESETS, check_mmap_threshold, check_subset_k
 from peft_ext.options import PactOptions, check_pact_options, derived_options
 
 from .thermal import check_pacing_options
@@ -85,6 +85,16 @@ class PactTrainingArguments(TrainingArguments, PactModelArguments):
             "help": "Compile each RMSNorm and gated MLP activation (torch.compile, once per model class and shape "
             "bucket) so the step's element-wise CPU work runs fused; the compile time is logged. "
             "optimum_pact.fuse_cpu_ops(model) does the same without PactTrainer."
+        },
+    )
+    pact_mmap_threshold: int | None = field(
+        default=DEFAULT_MMAP_THRESHOLD,
+        metadata={
+            "help": "Pin glibc's mmap threshold (bytes) when training starts, so freed tensors above it go back to "
+            "the operating system: glibc otherwise raises it to 32 MiB during the first step and keeps the step's "
+            "freed activations resident (peak RSS 9.9 vs 4.2 GiB, SmolLM2 batch 4 x 512 fp32). Process-wide; "
+            "MALLOC_MMAP_THRESHOLD_ in the environment wins; None leaves glibc's own policy. "
+            "optimum_pact.pin_mmap_threshold() does the same without PactTrainer."
         },
     )
     pact_report_resources: bool = field(
@@ -187,6 +197,11 @@ class PactTrainingArguments(TrainingArguments, PactModelArguments):
                 "pact_num_threads",
                 f"pact_num_threads={self.pact_num_threads!r} must be a positive integer (None: torch's default).",
             )
+        if self.pact_mmap_threshold is not None:
+            try:
+                check_mmap_threshold(self.pact_mmap_threshold, "pact_mmap_threshold")
+            except ValueError as err:
+                raise OptionError("pact_mmap_threshold", f"{err} None leaves glibc's own policy.") from None
         if not isinstance(self.pact_fuse_cpu_ops, bool):
             raise OptionError(
                 "pact_fuse_cpu_ops", f"pact_fuse_cpu_ops={self.pact_fuse_cpu_ops!r} must be True or False."

@@ -1,10 +1,12 @@
-"""Memory savers: block checkpointing with selective caching and disk offload, subset softmax, logits masking.
+"""Memory savers: block checkpointing with selective caching and disk offload, subset softmax, logits masking,
+and the allocator setting that lets freed tensors leave the process.
 
 Part of the core: plain torch, duck typing on the model (`layers`, `get_output_embeddings()`, `get_decoder()`); no
 peft, Trainer or application imports. `MemorySavers` switches everything on; the pieces are usable alone.
 """
 
 from .accounting import LiveTensorTracker, fake_module, fake_peak, module_tensors
+from .allocator import DEFAULT_MMAP_THRESHOLD, check_mmap_threshold, pin_mmap_threshold
 from .checkpoint import BlockCheckpointing, find_blocks
 from .logits_mask import causal_lm_loss, labelled_positions
 from .offload import ActivationOffloader, OffloadError
@@ -14,6 +16,7 @@ from .weights import map_frozen_weights
 
 __all__ = [
     "DEFAULT_K",
+    "DEFAULT_MMAP_THRESHOLD",
     "MEMORY_SAVER_PRESETS",
     "ActivationOffloader",
     "BlockCheckpointing",
@@ -23,6 +26,7 @@ __all__ = [
     "SaverOutput",
     "TokenNeighbours",
     "causal_lm_loss",
+    "check_mmap_threshold",
     "check_subset_k",
     "enable_memory_savers",
     "fake_module",
@@ -31,5 +35,6 @@ __all__ = [
     "labelled_positions",
     "map_frozen_weights",
     "module_tensors",
+    "pin_mmap_threshold",
     "subset_cross_entropy",
 ]

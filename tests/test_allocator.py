@@ -1,0 +1,80 @@
+"""pin_mmap_threshold / pact_mmap_threshold: freed large tensors leave the process instead of staying in glibc's heap.
+
+Each case runs in a fresh interpreter: the allocator's state is per process and a pin cannot be undone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from optimum_pact.errors import OptionError
+from optimum_pact.memory.allocator import _glibc
+from trainer_callbacks import PactTrainingArguments
+
+pytestmark = pytest.mark.skipif(_glibc() is None, reason="glibc's malloc only")
+
+# After an 8 MiB tensor is freed, is a new 1 MiB tensor mapped (given back when freed) or taken from the heap?
+PROBE = """
+import ctypes, json, sys
+import torch
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(f, ctypes.c_size_t) for f in "arena ord smb hblks hblkhd usmb fsmb uord ford keep".split()]
+
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
+pinned = None
+if sys.argv[1] == "pin":
+    from optimum_pact import pin_mmap_threshold
+    pinned = pin_mmap_threshold()
+elif sys.argv[1] == "trainer":
+    from trainer_callbacks import PactTrainer, PactTrainingArguments
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    args = PactTrainingArguments(output_dir=sys.argv[2], max_steps=1, report_to=[], save_strategy="no",
+                                 per_device_train_batch_size=1, use_cpu=True)
+    ids = torch.randint(0, 64, (8,))
+    data = [{"input_ids": ids, "labels": ids}]
+    PactTrainer(LlamaForCausalLM(config), args, train_dataset=data).train()
+big = torch.empty(8 << 20, dtype=torch.uint8)
+del big  # glibc raises its threshold to this chunk's size unless it is pinned
+before = libc.mallinfo2().hblkhd
+small = torch.empty(1 << 20, dtype=torch.uint8)
+print(json.dumps({"pinned": pinned, "mapped_growth": libc.mallinfo2().hblkhd - before}))
+"""
+
+
+def _probe(mode: str, tmp_path, env: dict | None = None) -> dict:
+    environ = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"} | (env or {})
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, mode, str(tmp_path)], capture_output=True, text=True, env=environ, check=True
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_glibc_keeps_a_freed_large_tensor_in_its_heap_unless_the_threshold_is_pinned(tmp_path):
+    assert _probe("none", tmp_path)["mapped_growth"] == 0  # the mechanism the pin is for: 1 MiB from the heap
+    pinned = _probe("pin", tmp_path)
+    assert pinned["pinned"] is True and pinned["mapped_growth"] >= 1 << 20
+
+
+def test_the_environment_setting_wins(tmp_path):
+    probe = _probe("pin", tmp_path, {"MALLOC_MMAP_THRESHOLD_": str(16 << 20)})
+    assert probe["pinned"] is False and probe["mapped_growth"] == 0  # the user's 16 MiB threshold stands
+
+
+def test_pact_trainer_pins_the_threshold_by_default(tmp_path):
+    assert _probe("trainer", tmp_path)["mapped_growth"] >= 1 << 20
+
+
+@pytest.mark.parametrize("value", [-1, 64 << 20, 1.5, True, "128k"])
+def test_a_bad_threshold_is_named_with_its_fix(value, tmp_path):
+    with pytest.raises(OptionError, match=r"pact_mmap_threshold=.*from 0 to 33554432.*None leaves") as err:
+        PactTrainingArguments(output_dir=str(tmp_path), pact_mmap_threshold=value, report_to=[])
+    assert err.value.option == "pact_mmap_threshold"
