@@ -1,6 +1,8 @@
 """Frozen-weight products on CPU: forward + input gradient of one linear, dense vs bitsandbytes nf4 vs PACT NVFP4.
 
 Each step is `y = layer(x); y.backward(g)` with `x.requires_grad` and a frozen weight (no weight gradient).
+`pact_fp32` is the PACT layer fed fp32 activations, its ratio taken to dense fp32: the comparison that matters on a
+CPU without native bf16 (AVX2), where torch emulates the bf16 products.
 Arms run interleaved (every round visits every shape, token count and arm, in a random order) so machine noise and
 cache effects hit all arms alike; each number is the median over rounds. `bf16_dup` is dense bf16 a second time: its
 ratio to `bf16` is the noise floor. Also times the dequantization of each weight (native kernel, torch path, bnb nf4).
@@ -63,8 +65,10 @@ def make_config(k: int, n: int, tokens: int, tiles: list[int]) -> dict:
         "bf16": (torch.bfloat16, lambda x: F.linear(x, wb)),
         "bnb_nf4": (torch.bfloat16, bnb_linear(w32)),
         "pact": (torch.bfloat16, FrozenLinear.from_linear(linear)),
+        "pact_fp32": (torch.float32, None),  # the same layer with fp32 activations (set below)
         "bf16_dup": (torch.bfloat16, lambda x: F.linear(x, wb_dup)),
     }
+    arms["pact_fp32"] = (torch.float32, arms["pact"][1])
     for tile in tiles:
         tiled = get_backend("torch", tile_size=tile)
         arms[f"pact_tile{tile}"] = (torch.bfloat16, FrozenLinear.from_linear(linear, backend=tiled))
@@ -154,6 +158,7 @@ def main() -> None:
             "bnb/bf16": ms["bnb_nf4"] / ms["bf16"],
             "pact/bnb": ms["pact"] / ms["bnb_nf4"],
             "dup/bf16": ms["bf16_dup"] / ms["bf16"],
+            "pact_fp32/fp32": ms["pact_fp32"] / ms["fp32"],  # where bf16 is emulated (AVX2), fp32 is the fast format
         }
         ratio.update({f"{a}/bf16": ms[a] / ms["bf16"] for a in ms if a.startswith("pact_tile")})
         worst[f"bf16_{c['tokens']}"] = max(worst[f"bf16_{c['tokens']}"], ratio["pact/bf16"])

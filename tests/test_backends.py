@@ -163,3 +163,39 @@ def test_one_instance_shares_its_sessions_and_two_instances_do_not():
     second.forward(x, second.prepare(weights[0]))
     (own,) = second._runtime.sessions.values()
     assert second._runtime is not first._runtime and own is not shared
+
+
+@pytest.mark.parametrize("tile_size", [None, 32])
+def test_products_reuse_one_scratch_buffer_per_thread_and_stay_exact(tile_size):
+    """The dequantized weight goes into a buffer kept per thread: the next layer overwrites it, and each result is
+    still exactly the dense product against its own weight (forward, then the input gradients in reverse order)."""
+    import threading
+
+    from optimum_pact.backends import torch_backend
+
+    torch.manual_seed(0)
+    backend = TorchBackend(tile_size=tile_size)
+    first, second = quantize(torch.randn(96, 64)), quantize(torch.randn(64, 96))
+    x = torch.randn(2, 5, 64)
+    h = backend.forward(x, first)
+    buffer = torch_backend._SCRATCH.buffers[torch.float32]
+    y = backend.forward(h, second)
+    dy = torch.randn_like(y)
+    dh = backend.input_grad(dy, second)
+    dx = backend.input_grad(dh, first)
+    w1, w2 = first.dequantize(torch.float32), second.dequantize(torch.float32)
+    exact = tile_size is None  # one tile is the dense product bit for bit; tiles sum in their own order
+    tol = dict(atol=0, rtol=0) if exact else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h, x @ w1.T, **tol)
+    torch.testing.assert_close(y, h @ w2.T, **tol)
+    torch.testing.assert_close(dh, dy @ w2, **tol)
+    torch.testing.assert_close(dx, dh @ w1, **tol)
+    assert torch_backend._SCRATCH.buffers[torch.float32].data_ptr() == buffer.data_ptr()  # reused, not reallocated
+    if exact:  # the last product's weight is what the buffer holds
+        assert torch.equal(buffer[: w1.numel()], w1.reshape(-1))
+    other = []
+    thread = threading.Thread(target=lambda: other.append((backend.forward(x, first), torch_backend._SCRATCH.buffers)))
+    thread.start()
+    thread.join()
+    torch.testing.assert_close(other[0][0], h, atol=0, rtol=0)
+    assert other[0][1][torch.float32].data_ptr() != buffer.data_ptr()  # each thread has its own

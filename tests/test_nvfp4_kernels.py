@@ -322,3 +322,16 @@ def test_the_torch_backend_fuses_only_inference_on_few_rows(monkeypatch):
     with torch.no_grad():
         backend.forward(torch.randn(9, 96), q)  # more rows than FUSED_MAX_ROWS: dequantize and multiply
     assert len(calls) == 1
+
+
+@needs_native
+def test_native_dequantize_writes_into_a_given_buffer_and_refuses_one_that_does_not_fit():
+    q = quantize(torch.randn(32, 64))
+    out = torch.full((32, 64), float("nan"), dtype=torch.bfloat16)
+    got = kernels.dequantize_native(q.qdata, q.scale, q.scale_2, torch.bfloat16, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(out, dequantize_reference(q.qdata, q.scale, q.scale_2, torch.bfloat16))
+    bf16 = torch.bfloat16
+    for bad in (torch.empty(32, 48, dtype=bf16), torch.empty(32, 64), torch.empty(64, 32, dtype=bf16).t()):
+        with pytest.raises(ValueError, match=r"contiguous CPU torch.bfloat16 tensor of shape \(32, 64\)"):
+            kernels.dequantize_native(q.qdata, q.scale, q.scale_2, torch.bfloat16, out=bad)

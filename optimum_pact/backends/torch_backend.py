@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 
 import torch
@@ -22,6 +23,38 @@ def _fusable(x: torch.Tensor, k: int) -> bool:
     return not torch.is_grad_enabled() and x.is_cpu and x.dtype in FUSED_DTYPES and x.numel() <= FUSED_MAX_ROWS * k
 
 
+# A dequantized weight (or tile) up to this size is written into a buffer kept per thread and dtype and reused by
+# the next product, instead of a new allocation per call: a training step makes several hundred, which either fault
+# in fresh pages each time (glibc's threshold pinned, see optimum_pact.memory.allocator) or fragment glibc's heap.
+# Larger ones (an untied output head) are allocated per call, so the kept buffer stays one layer's size.
+SCRATCH_MAX_BYTES = 64 * 2**20
+
+
+class _Scratch(threading.local):
+    def __init__(self):
+        self.buffers: dict[torch.dtype, torch.Tensor] = {}
+
+
+_SCRATCH = _Scratch()
+
+
+def _scratch(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor | None:
+    """This thread's reusable buffer viewed as a contiguous `shape` tensor, or None where it would be too large."""
+    numel = shape[0] * shape[1]
+    if numel * dtype.itemsize > SCRATCH_MAX_BYTES:
+        return None
+    buffer = _SCRATCH.buffers.get(dtype)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _SCRATCH.buffers[dtype] = torch.empty(numel, dtype=dtype)
+    return buffer[:numel].view(shape)
+
+
+def _dequantize(qdata: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`dequantize`, into this thread's scratch buffer on the CPU: valid until this thread's next call."""
+    out = _scratch((qdata.shape[0], qdata.shape[1] * 2), dtype) if qdata.is_cpu else None
+    return dequantize(qdata, scale, scale_2, dtype, out=out)
+
+
 def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """`a @ b`; 16-bit CPU operands of more than 2 rows without native bf16 are multiplied in fp32 and the result
     rounded once into a's dtype. Torch emulates the 16-bit product there (AVX2 CPUs): a bf16 [64, 576] @ [576, 1536]
@@ -37,7 +70,8 @@ class TorchBackend:
     """Dequantizes the packed weight tile by tile and multiplies each tile at once.
 
     `tile_size` is the number of weight rows (forward) or columns (input gradient) dequantized at a time;
-    `None` dequantizes the whole weight in one transient tile. Tiles never outlive the call.
+    `None` dequantizes the whole weight in one tile. On the CPU a tile is written into a buffer kept per thread and
+    reused by the next product (`SCRATCH_MAX_BYTES`); its values never outlive the call.
     Forward tiles split the output features and input-gradient tiles split the input features, never the
     reduction. One tile equals a dense matmul against `deq(W)` bit for bit; smaller tiles agree with it up to
     the accumulation order the BLAS kernel picks for each tile shape.
@@ -111,11 +145,11 @@ class TorchBackend:
             return self.native_linear(handle).run(x)
         tile = self.tile_size or n
         if tile >= n:
-            return _matmul(x, dequantize(handle.qdata, handle.scale, handle.scale_2, x.dtype).t())
+            return _matmul(x, _dequantize(handle.qdata, handle.scale, handle.scale_2, x.dtype).t())
         out = x.new_empty(*x.shape[:-1], n)
         for n0 in range(0, n, tile):
             rows = slice(n0, n0 + tile)
-            w = dequantize(handle.qdata[rows], handle.scale[rows], handle.scale_2, x.dtype)
+            w = _dequantize(handle.qdata[rows], handle.scale[rows], handle.scale_2, x.dtype)
             out[..., rows] = _matmul(x, w.t())
         return out
 
@@ -125,12 +159,12 @@ class TorchBackend:
         n, k = handle.shape
         tile = self.tile_size or k
         if tile >= k:
-            return _matmul(dy, dequantize(handle.qdata, handle.scale, handle.scale_2, dy.dtype))
+            return _matmul(dy, _dequantize(handle.qdata, handle.scale, handle.scale_2, dy.dtype))
         out = dy.new_empty(*dy.shape[:-1], k)
         for k0 in range(0, k, tile):
             cols = slice(k0, k0 + tile)
             packed, scales = slice(k0 // 2, (k0 + tile) // 2), slice(k0 // 16, (k0 + tile) // 16)
-            w = dequantize(handle.qdata[:, packed], handle.scale[:, scales], handle.scale_2, dy.dtype)
+            w = _dequantize(handle.qdata[:, packed], handle.scale[:, scales], handle.scale_2, dy.dtype)
             out[..., cols] = _matmul(dy, w)
         return out
 

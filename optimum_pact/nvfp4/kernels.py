@@ -163,12 +163,22 @@ def _native_weight(qdata: torch.Tensor, scale: torch.Tensor) -> tuple[ctypes.CDL
 
 
 def dequantize_native(
-    qdata: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor, dtype: torch.dtype, scalar: bool = False
+    qdata: torch.Tensor,
+    scale: torch.Tensor,
+    scale_2: torch.Tensor,
+    dtype: torch.dtype,
+    scalar: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The C kernel on CPU tensors; `scalar=True` forces its portable (non-SIMD) code, for tests."""
+    """The C kernel on CPU tensors; `scalar=True` forces its portable (non-SIMD) code, for tests. `out`, a contiguous
+    CPU tensor of `dtype` and shape [N, K], is written and returned instead of a new tensor."""
     lib, qdata, scale = _native_weight(qdata, scale)
     n, half_k = qdata.shape
-    out = torch.empty(n, half_k * 2, dtype=dtype)
+    if out is None:
+        out = torch.empty(n, half_k * 2, dtype=dtype)
+    elif out.shape != (n, half_k * 2) or out.dtype != dtype or not out.is_contiguous() or not out.is_cpu:
+        raise ValueError(f"out must be a contiguous CPU {dtype} tensor of shape {(n, half_k * 2)}, got {out.dtype} "
+                         f"{tuple(out.shape)} on {out.device}")  # fmt: skip
     if out.numel() == 0:
         return out
     status = lib.pact_nvfp4_dequantize(
@@ -283,11 +293,17 @@ def dequantize_torch(
 
 
 def dequantize(
-    qdata: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor, dtype: torch.dtype = torch.float32
+    qdata: torch.Tensor,
+    scale: torch.Tensor,
+    scale_2: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """NVFP4 uint8 [N, K/2] + e4m3 [N, K/16] + fp32 scalar -> contiguous `dtype` [N, K], equal to the reference."""
+    """NVFP4 uint8 [N, K/2] + e4m3 [N, K/16] + fp32 scalar -> contiguous `dtype` [N, K], equal to the reference.
+    The native kernel writes into `out` where given (a caller's reused buffer); the other paths return a new
+    tensor and leave `out` alone, so use the returned tensor."""
     if dtype not in _DTYPES:  # e.g. float64: no fast path needed
         return dequantize_reference(qdata, scale, scale_2, dtype)
     if qdata.is_cpu and native_available():
-        return dequantize_native(qdata, scale, scale_2, dtype)
+        return dequantize_native(qdata, scale, scale_2, dtype, out=out)
     return dequantize_torch(qdata, scale, scale_2, dtype)
