@@ -37,6 +37,8 @@ RATIOS = {  # name: (arm, over arm)
     "pact_fused_vs_lora": ("pact_fused", "lora"),
     "pact_fused_vs_lora_compile": ("pact_fused", "lora_compile"),
     "pact_vs_lora_compile": ("pact", "lora_compile"),
+    "pact_vs_lora_pinned": ("pact", "lora_pinned"),
+    "lora_pinned_vs_lora": ("lora_pinned", "lora"),
     "pact_vs_qlora": ("pact", "qlora_nf4"),
     "pact_vs_lora_fp32": ("pact", "lora_fp32"),
     "lora_compile_vs_lora": ("lora_compile", "lora"),
@@ -162,7 +164,7 @@ def main() -> None:
         beside = f"; noise {noise:.3f}" if noise else ""
         print(f"{name:>28}: {ratio['median']:.3f} (sessions {ratio['min']:.3f}-{ratio['max']:.3f}){beside}")
     print(json.dumps({"bench": "train_step", **config, "step_s": step, "peak_rss_gib": rss, "ratios": ratios,
-                      "noise_dup_vs_lora": noise, "rss_ratios": rss_ratios}))  # fmt: skip
+                      "noise_dup_vs_lora": noise, "rss_ratios": rss_ratios, "per_session": sessions}))  # fmt: skip
 
 
 if __name__ == "__main__":
