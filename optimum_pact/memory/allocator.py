@@ -13,8 +13,9 @@ the threshold pinned, 0.25 GB arenas and 4.2 / 4.5 GiB peaks. That is the whole 
 large tensors go back to the operating system when freed. It is process-wide and stays set. The price is a fresh
 mapping, page faults and zeroed pages for every tensor above it, so the default is 4 MiB, not glibc's 128 KiB: the
 main job (short batches, many 0.1-4 MiB tensors) took 134.6 s at 128 KiB, 89.0 s at 4 MiB and 73.4 s at 32 MiB
-(peak RSS 1.52 / 1.75 / 1.73 GiB); a SmolLM2 step at batch 4 x 512 took 21.8 s at 128 KiB (4.59 GiB), 18.0 s at
-4 MiB (5.16 GiB), against 19.2 s and 7.67 GiB unpinned (single runs, same machine).
+(peak RSS 1.52 / 1.75 / 1.73 GiB; single runs). Larger steps favour lower values: PACT's SmolLM2 step at batch
+4 x 512 took 21.8 s at 128 KiB (peak RSS 4.59 GiB) and 22.0 s at 4 MiB (5.13 GiB), against peft LoRA unpinned at
+19-20 s and 7.7-7.9 GiB (benchmarks/bench_train_step.py, 3 sessions each, 2-core AVX2 AMD EPYC).
 """
 
 from __future__ import annotations
