@@ -31,7 +31,7 @@ import time
 from aqlora_timing import model_folder
 
 ARMS = ("lora", "lora_dup", "lora_compile", "lora_pinned", "qlora_nf4", "lora_fp32", "pact", "pact_fused")
-SIZES = {"smollm2": ("smollm2", 4), "qwen2.5-0.5b": ("qwen2.5-0.5b", 2)}  # model_folder key, default batch
+SIZES = {"smollm2": 4, "qwen2.5-0.5b": 2}  # model_folder key: default batch
 RATIOS = {  # name: (arm, over arm)
     "pact_vs_lora": ("pact", "lora"),
     "pact_fused_vs_lora": ("pact_fused", "lora"),
@@ -121,9 +121,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args()
-    key, batch = SIZES[args.size]
-    args.batch = args.batch or batch
-    args.model = args.model or model_folder(key, quick=False)
+    args.batch = args.batch or SIZES[args.size]
+    args.model = args.model or model_folder(args.size, quick=False)
     if args.arm:
         if args.threads:
             import torch
