@@ -66,7 +66,7 @@ class PactLoraLinear(LoraLinear):
         base = self.get_base_layer()
         lora_a, lora_b = self.lora_A[adapter].weight, self.lora_B[adapter].weight
         scaling = self.scaling[adapter]
-        return LoraFrozenProduct.apply(x, lora_a, lora_b, scaling, base.backend, base.handle, base.bias)
+        return LoraFrozenProduct.apply(x, lora_a, lora_b, scaling, base.backend, base.handle, base.bias, base.stream)
 
     def _fused_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """Inference: the frozen product and the adapter's term in one backend call where the backend fuses them

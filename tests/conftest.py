@@ -12,8 +12,8 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
     torch.manual_seed(seed)
     if arch == "llama":
-        return LlamaForCausalLM(LlamaConfig(vocab_size=128, **{**TINY, **overrides}))
-    return Qwen2ForCausalLM(Qwen2Config(vocab_size=128, **{**TINY, **overrides}))
+        return LlamaForCausalLM(LlamaConfig(**{"vocab_size": 128, **TINY, **overrides}))
+    return Qwen2ForCausalLM(Qwen2Config(**{"vocab_size": 128, **TINY, **overrides}))
 
 
 def train_lm(model, steps: int = 30, seed: int = 0) -> list[float]:

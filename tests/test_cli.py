@@ -103,8 +103,21 @@ def test_main_job_with_memory_savers(small_model, tmp_path, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["memory_saver"] == "full" and summary["steps"] == 3
     assert summary["products"] == {"torch": 3 * (14 + 14 + 11)}  # + the recomputed forward of every linear
-    assert "(memory savers: full)" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "(memory savers: full)" in printed
     assert not any((out / "trainer" / "pact-offload").iterdir())
+    # streamed by default: resident peak (RSS) and the mapped weights' resident peak, apart
+    mapped, resident = summary["mapped_gib"], summary["mapped_resident_peak_gib"]
+    assert mapped > 0.01 and 0 < resident <= mapped and "of it resident (streamed)" in printed
+
+
+def test_main_job_with_memory_savers_unstreamed(small_model, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["finetune", "--model", str(small_model), "--output", str(out), "--max-steps", "2", "--dtype", "float32"]
+    assert main([*args, "--memory-saver", "exact", "--pact_stream_weights", "false"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mapped_gib"] > 0.01 and summary["mapped_resident_peak_gib"] is None
+    assert "resident once touched (not streamed)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

@@ -45,6 +45,7 @@ class PactTrainer(Trainer):
             logger.warning("PactTrainer: the model has no FrozenLinear; apply PactConfig with get_peft_model first.")
         self.resources = None
         self.memory_savers: MemorySavers | None = None  # set while train() runs with pact_memory_saver
+        self.mapped_weights: dict | None = None  # after train() with memory savers: `_mapped_weights_metrics()`
         self.fused_cpu_ops = None  # optimum_pact.fusion.FusedCpuOps, set by train() with pact_fuse_cpu_ops
         if isinstance(self.args, PactTrainingArguments):
             if self.args.pact_num_threads is not None:
@@ -124,6 +125,7 @@ class PactTrainer(Trainer):
             return super().train(resume_from_checkpoint, *args, **kwargs)
         finally:  # also on a failed step: the forwards are restored and the offload files deleted
             if self.memory_savers is not None:
+                self.mapped_weights = self._mapped_weights_metrics()
                 self.memory_savers.close()
                 self.memory_savers = None
             if self.fused_cpu_ops is not None:
@@ -147,6 +149,14 @@ class PactTrainer(Trainer):
         logger.info("PactTrainer: memory savers %r on, offloading to %s", args.pact_memory_saver, args.offload_dir)
         return savers
 
+    def _mapped_weights_metrics(self) -> dict:
+        """The memory savers' mapped frozen weights: bytes mapped and, when streamed, the most seen resident."""
+        savers = self.memory_savers
+        out = {"mapped_gib": round(sum(t.numel() * t.element_size() for t in savers.mapped_weights) / 2**30, 4)}
+        if savers.stream is not None:
+            out["mapped_resident_peak_gib"] = round(savers.stream.peak_resident_bytes / 2**30, 4)
+        return out
+
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         """Adds `peak_rss_gib` and `train_steps_per_second_measured` to every log (Trainer's documented hook), and
         the pacing and checkpoint figures when those callbacks are on."""
@@ -157,4 +167,6 @@ class PactTrainer(Trainer):
                 logs = {**logs, **callback.metrics()}
         if self.fused_cpu_ops is not None:
             logs = {**logs, "fused_cpu_ops_compile_s": round(self.fused_cpu_ops.compile_seconds(), 2)}
+        if self.memory_savers is not None and self.memory_savers.mapped_weights:
+            logs = {**logs, **self._mapped_weights_metrics()}
         super().log(logs, *args, **kwargs)

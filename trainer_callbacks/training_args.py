@@ -8,7 +8,13 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from optimum_pact.errors import OptionError
-from optimum_pact.memory import DEFAULT_MMAP_THRESHOLD, MEMORY_SAVER_PRESETS, check_mmap_threshold, check_subset_k
+from optimum_pact.memory import (
+    DEFAULT_MMAP_THRESHOLD,
+    MEMORY_SAVER_PRESETS,
+    check_mmap_threshold,
+    check_subset_k,
+    streaming_available,
+)
 from peft_ext.options import PactOptions, check_pact_options, derived_options
 
 from .thermal import check_pacing_options
@@ -176,6 +182,14 @@ class PactTrainingArguments(TrainingArguments, PactModelArguments):
             "help": "pact_memory_saver='full': nearest tokens in each position's softmax (target + k - 1); None: 1000."
         },
     )
+    pact_stream_weights: bool = field(
+        default=True,
+        metadata={
+            "help": "Memory savers: hand each mapped frozen weight's pages back to the kernel as soon as its product "
+            "is done, so one layer (and a window of output-head rows) is resident at a time; the same losses and "
+            "gradients. Linux (madvise); elsewhere the weights are mapped without streaming."
+        },
+    )
     pact_activation_cache_mib: float = field(
         default=0.0,
         metadata={"help": "RAM per step for attention outputs kept instead of recomputed (memory savers on)."},
@@ -307,6 +321,7 @@ class PactTrainingArguments(TrainingArguments, PactModelArguments):
             "offload_dir": self.offload_dir,
             "cache_mib": float(self.pact_activation_cache_mib),
             "mlp_chunk_tokens": self.pact_mlp_chunk_tokens,
+            "stream_weights": bool(self.pact_stream_weights) and streaming_available(),
         }
         if self.pact_memory_saver == "full" and self.pact_subset_k is not None:
             options["subset_k"] = self.pact_subset_k

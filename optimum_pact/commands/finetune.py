@@ -181,6 +181,7 @@ def _finetune(run: FinetuneRun) -> FinetuneSummary:
         background=extra,
         dtype=str(dtype).removeprefix("torch."),
         fused_compile_s=trainer.fused_cpu_ops.compile_seconds() if trainer.fused_cpu_ops is not None else None,
+        **(trainer.mapped_weights or {}),
     )
     write_card(adapter_dir, job.model, config, args, summary)
     (Path(job.output) / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2) + "\n")

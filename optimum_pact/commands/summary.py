@@ -39,6 +39,8 @@ class FinetuneSummary:
     answer_after: str | None = None
     dtype: str | None = None  # the compute dtype (`--dtype auto` resolved)
     fused_compile_s: float | None = None  # pact_fuse_cpu_ops: seconds spent compiling the fused CPU ops
+    mapped_gib: float | None = None  # memory savers: frozen weights in a file mapping (part of the RSS when touched)
+    mapped_resident_peak_gib: float | None = None  # ... the most of them seen resident at once (streamed)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -70,6 +72,14 @@ class FinetuneSummary:
     def _savers(self) -> str:
         return "" if self.memory_saver == "none" else f" (memory savers: {self.memory_saver})"
 
+    def _mapped(self) -> list[tuple[str, str]]:
+        if self.mapped_gib is None:
+            return []
+        if self.mapped_resident_peak_gib is None:
+            return [("mapped weights", f"{self.mapped_gib:.3f} GiB, resident once touched (not streamed)")]
+        peak = self.mapped_resident_peak_gib
+        return [("mapped weights", f"{self.mapped_gib:.3f} GiB, at most {peak:.3f} GiB of it resident (streamed)")]
+
     def _heldout(self) -> list[tuple[str, str]]:
         if self.data_format == "labelled":
             return [("held-out accuracy", f"{self.accuracy_before:.1%} -> {self.accuracy_after:.1%}")]
@@ -96,6 +106,7 @@ class FinetuneSummary:
             ("final training loss", f"{self.final_loss:.4f}"),
             ("steps", f"{self.steps} in {self.train_seconds:.1f} s ({self._rate()})"),
             ("peak memory (RSS)", f"{self.peak_rss_gib:.2f} GiB" + self._savers()),
+            *self._mapped(),
             ("frozen linears", self._linears()),
             ("frozen-weight products", self._products()),
             ("adapter", self.adapter_dir),

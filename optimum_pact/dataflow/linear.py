@@ -28,6 +28,23 @@ def _backend(backend: Backend | None) -> Backend:
     return backend
 
 
+def streamed(product, stream, kind: str):
+    """`product` (a backend's `forward` or `input_grad`) between the layer's `stream.before(kind)` and
+    `stream.after(kind)` (optimum_pact.memory.WeightStream: the mapped weight released after use), or `product`
+    itself for a layer that is not streamed."""
+    if stream is None:
+        return product
+
+    def run(x, handle):
+        stream.before(kind)
+        try:
+            return product(x, handle)
+        finally:
+            stream.after(kind)
+
+    return run
+
+
 class FrozenProduct(torch.autograd.Function):
     """`x @ deq(W).T` whose backward is `dy @ deq(W)` from the same packed weight and dequantizer.
 
@@ -37,15 +54,20 @@ class FrozenProduct(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, backend: Backend, handle: Any) -> torch.Tensor:
-        ctx.backend, ctx.handle = backend, handle
-        return backend.forward(x, handle)
+    def forward(ctx, x: torch.Tensor, backend: Backend, handle: Any, stream: Any = None) -> torch.Tensor:
+        ctx.backend, ctx.handle, ctx.stream = backend, handle, stream
+        return streamed(backend.forward, stream, "forward")(x, handle)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         if not ctx.needs_input_grad[0]:
-            return None, None, None
-        return ctx.backend.input_grad(dy.contiguous(), ctx.handle), None, None
+            return None, None, None, None
+        return (
+            streamed(ctx.backend.input_grad, ctx.stream, "input_grad")(dy.contiguous(), ctx.handle),
+            None,
+            None,
+            None,
+        )
 
 
 class FrozenLinear(nn.Module):
@@ -95,6 +117,7 @@ class FrozenLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), False) if bias else None
         self.backend = _backend(backend)
         self._handle = None
+        self.stream = None  # set by optimum_pact.memory.WeightStream while the mapped weight is streamed
 
     @classmethod
     def empty_like(cls, linear: nn.Linear, backend: Backend | None = None, precision: str = "nvfp4") -> FrozenLinear:
@@ -236,9 +259,9 @@ class FrozenLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled():
-            out = FrozenProduct.apply(x, self.backend, self.handle)
+            out = FrozenProduct.apply(x, self.backend, self.handle, self.stream)
         else:  # inference: the backend directly, without autograd's wrapper (decoding runs this 200+ times a token)
-            out = self.backend.forward(x, self.handle)
+            out = streamed(self.backend.forward, self.stream, "forward")(x, self.handle)
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def extra_repr(self) -> str:

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .linear import streamed
+
 _executor: ThreadPoolExecutor | None = None
 
 
@@ -26,15 +28,15 @@ def _worker() -> ThreadPoolExecutor:
 
 class LoraFrozenProduct(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, lora_a, lora_b, scaling: float, backend, handle: Any, bias: torch.Tensor | None):
-        base = _worker().submit(backend.forward, x.detach(), handle)
+    def forward(ctx, x, lora_a, lora_b, scaling: float, backend, handle: Any, bias: torch.Tensor | None, stream=None):
+        base = _worker().submit(streamed(backend.forward, stream, "forward"), x.detach(), handle)
         xa = x.to(lora_a.dtype)
         h = xa @ lora_a.t()
         lora = (h @ lora_b.t()) * scaling
         result = base.result()
         if bias is not None:
             result = result + bias.to(result.dtype)
-        ctx.backend, ctx.handle, ctx.scaling, ctx.x_dtype = backend, handle, scaling, x.dtype
+        ctx.backend, ctx.handle, ctx.scaling, ctx.x_dtype, ctx.stream = backend, handle, scaling, x.dtype, stream
         ctx.save_for_backward(xa, h, lora_a, lora_b)
         return (result + lora).to(result.dtype)
 
@@ -42,7 +44,8 @@ class LoraFrozenProduct(torch.autograd.Function):
     def backward(ctx, dy):
         xa, h, lora_a, lora_b = ctx.saved_tensors
         dy = dy.contiguous()
-        base = _worker().submit(ctx.backend.input_grad, dy, ctx.handle) if ctx.needs_input_grad[0] else None
+        input_grad = streamed(ctx.backend.input_grad, ctx.stream, "input_grad")
+        base = _worker().submit(input_grad, dy, ctx.handle) if ctx.needs_input_grad[0] else None
         g = dy.to(lora_b.dtype) * ctx.scaling
         gh = g @ lora_b  # [..., r]
         grad_b = g.reshape(-1, g.shape[-1]).t() @ h.reshape(-1, h.shape[-1]) if ctx.needs_input_grad[2] else None
@@ -51,4 +54,4 @@ class LoraFrozenProduct(torch.autograd.Function):
         if base is not None:
             dx_lora = (gh @ lora_a).to(ctx.x_dtype)
             dx = base.result() + dx_lora
-        return dx, grad_a, grad_b, None, None, None, None
+        return dx, grad_a, grad_b, None, None, None, None, None

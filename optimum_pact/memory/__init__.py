@@ -11,8 +11,9 @@ from .checkpoint import BlockCheckpointing, find_blocks
 from .logits_mask import causal_lm_loss, labelled_positions
 from .offload import ActivationOffloader, OffloadError
 from .savers import MEMORY_SAVER_PRESETS, MemorySavers, SaverOutput, enable_memory_savers
+from .streaming import WeightStream, streaming_available
 from .subset_softmax import DEFAULT_K, TokenNeighbours, check_subset_k, subset_cross_entropy
-from .weights import map_frozen_weights
+from .weights import WeightsFile, WeightsFileError, map_frozen_weights
 
 __all__ = [
     "DEFAULT_K",
@@ -25,6 +26,9 @@ __all__ = [
     "OffloadError",
     "SaverOutput",
     "TokenNeighbours",
+    "WeightStream",
+    "WeightsFile",
+    "WeightsFileError",
     "causal_lm_loss",
     "check_mmap_threshold",
     "check_subset_k",
@@ -36,5 +40,6 @@ __all__ = [
     "map_frozen_weights",
     "module_tensors",
     "pin_mmap_threshold",
+    "streaming_available",
     "subset_cross_entropy",
 ]

@@ -61,12 +61,14 @@ def causal_lm_loss(
     neighbours: TokenNeighbours | None = None,
     mask_logits: bool = True,
     num_items_in_batch: int | torch.Tensor | None = None,
+    stream=None,
     **decoder_kwargs,
 ) -> torch.Tensor:
     """The causal-LM training loss of `model` on a batch, without [tokens, vocab] logits.
 
     `mask_logits=False` computes the head at every position and multiplies unlabelled ones by 0 (the cost of not
-    masking; the value is the same). `neighbours=None` uses the full vocabulary.
+    masking; the value is the same). `neighbours=None` uses the full vocabulary. `stream`: a `WeightStream` releasing
+    the output weight's rows as the loss reads them.
     """
     head = output_layer(model)
     kwargs = {k: v for k, v in decoder_kwargs.items() if v is not None and k not in DECODER_KWARGS_DROPPED}
@@ -76,7 +78,7 @@ def causal_lm_loss(
     hidden = hidden[..., :-1, :].reshape(-1, hidden.shape[-1])
     if mask_logits:
         index, targets = labelled_positions(labels)
-        losses = subset_cross_entropy(hidden[index], head.weight, targets, neighbours, head.bias)
+        losses = subset_cross_entropy(hidden[index], head.weight, targets, neighbours, head.bias, stream=stream)
         total = losses.sum()
     else:
         targets = shifted_targets(labels).reshape(-1)
@@ -85,7 +87,7 @@ def causal_lm_loss(
         if neighbours is not None:  # the batch's labelled targets, not the 0 placeholders of unlabelled positions
             negatives = batch_negatives(targets[labelled], neighbours.k)
         losses = subset_cross_entropy(
-            hidden, head.weight, targets.clamp_min(0), neighbours, head.bias, negatives=negatives
+            hidden, head.weight, targets.clamp_min(0), neighbours, head.bias, negatives=negatives, stream=stream
         )
         total = torch.where(labelled, losses, 0.0).sum()
         index = labelled.nonzero()

@@ -21,8 +21,9 @@ from torch import nn
 from .checkpoint import BlockCheckpointing
 from .logits_mask import causal_lm_loss, output_layer
 from .offload import ActivationOffloader
+from .streaming import DEFAULT_WINDOW_BYTES, WeightStream, streaming_available
 from .subset_softmax import DEFAULT_K, TokenNeighbours, check_subset_k
-from .weights import map_frozen_weights
+from .weights import WeightsFile, map_frozen_weights
 
 MEMORY_SAVER_PRESETS = {
     "none": {"checkpoint": False, "offload": False, "map_weights": False, "subset_k": None, "mask_logits": False},
@@ -63,6 +64,10 @@ class MemorySavers:
             mapping; default: the system temp dir.
         map_weights: keep the frozen weights memory-mapped from a file in `offload_dir` (`map_frozen_weights`;
             bit-identical values; not undone by `close()`).
+        stream_weights: with `map_weights`, release each mapped weight's pages as soon as its use is over
+            (`WeightStream`: one layer's packed weight and `window_bytes` of head rows resident at a time; the same
+            losses and gradients). On by default where the platform has madvise (Linux).
+        window_bytes: head / embedding rows read between two releases of the table (`WeightStream`).
         cache_mib: RAM budget per step for attention outputs kept instead of recomputed (default 0: recompute all;
             see `checkpoint.py` for when caching pays).
         mlp_chunk_tokens: recompute each MLP in chunks of this many tokens (None: whole sequence).
@@ -82,6 +87,8 @@ class MemorySavers:
         mlp_chunk_tokens: int | None = 512,
         subset_k: int | None = None,
         mask_logits: bool = True,
+        stream_weights: bool | None = None,
+        window_bytes: int = DEFAULT_WINDOW_BYTES,
     ):
         if offload and not checkpoint:
             raise ValueError("offload=True needs checkpoint=True: offload writes the checkpointed block inputs.")
@@ -95,14 +102,25 @@ class MemorySavers:
         self.neighbours: TokenNeighbours | None = None
         self.offloader = ActivationOffloader(offload_dir) if offload else None
         self.mapped_weights: list[torch.Tensor] = []  # for LiveTensorTracker(mapped=...)
+        self.weights_file: WeightsFile | None = None
+        self.stream: WeightStream | None = None
+        if stream_weights and not map_weights:
+            raise ValueError("stream_weights=True needs map_weights=True: only mapped weights can be streamed.")
+        if stream_weights and not streaming_available():
+            raise ValueError("stream_weights=True needs Linux (madvise, /proc/self/maps); pass stream_weights=False.")
         self.checkpointing = None
         self._loss_wrapped = False
         try:
             if map_weights:
                 folder = self.offloader.root if self.offloader is not None else offload_dir
-                self.mapped_weights = map_frozen_weights(model, folder)["mapped"]
+                mapped = map_frozen_weights(model, folder)
+                self.mapped_weights, self.weights_file = mapped["mapped"], mapped["file"]
+                stream = streaming_available() if stream_weights is None else stream_weights
+                if stream and self.weights_file is not None:
+                    self.stream = WeightStream(self.base, self.weights_file, window_bytes)
             if subset_k is not None:  # after mapping: it holds the (mapped) output weight
                 self.neighbours = TokenNeighbours(output_layer(self.base).weight, subset_k)
+                self.neighbours.stream = self.stream
             if checkpoint:
                 self.checkpointing = BlockCheckpointing(model, self.offloader, cache_mib, mlp_chunk_tokens)
             if subset_k is not None or mask_logits:
@@ -128,9 +146,11 @@ class MemorySavers:
         def forward(input_ids=None, attention_mask=None, *args, labels=None, **kwargs):
             if args or labels is None or not (base.training and torch.is_grad_enabled()):
                 return original(input_ids, attention_mask, *args, labels=labels, **kwargs)
+            if self.stream is not None:  # whatever the last backward or an eval left resident
+                self.stream.release_all()
             loss = causal_lm_loss(
                 base, input_ids, labels, attention_mask, neighbours=self.neighbours, mask_logits=self.mask_logits,
-                **kwargs,
+                stream=self.stream, **kwargs,
             )  # fmt: skip
             return SaverOutput(loss=loss)
 
@@ -138,7 +158,12 @@ class MemorySavers:
         self._loss_wrapped = True
 
     def close(self) -> None:
-        """Restore the model's forwards and delete the offload folder."""
+        """Restore the model's forwards, stop streaming and delete the offload folder (the weights stay mapped)."""
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
+            if self.neighbours is not None:
+                self.neighbours.stream = None
         if self.checkpointing is not None:
             self.checkpointing.restore()
             self.checkpointing = None

@@ -45,6 +45,7 @@ from ..errors import OptionError
 
 DEFAULT_K = 1000  # the published stack's top-1000 softmax approximation
 CHUNK_BYTES = 8 * 2**20  # gathered weight rows (or full-vocab logits) per chunk of tokens
+VOCAB_CHUNK_BYTES = 16 * 2**20  # output-weight rows multiplied at once by the full-vocabulary loss
 
 
 def check_subset_k(
@@ -87,6 +88,11 @@ class TokenNeighbours:
         self.query_chunk, self.vocab_chunk = query_chunk, vocab_chunk
         self._inv_norm: torch.Tensor | None = None
         self._rows: dict[int, torch.Tensor] = {}
+        self.stream = None  # a WeightStream: told of every chunk of the table read (memory savers set it)
+
+    def _read(self, rows: torch.Tensor) -> None:
+        if self.stream is not None:
+            self.stream.touch(self.weight, rows.numel() * rows.element_size())
 
     @property
     def vocab_size(self) -> int:
@@ -94,8 +100,11 @@ class TokenNeighbours:
 
     def _inverse_norms(self) -> torch.Tensor:
         if self._inv_norm is None:
-            norms = torch.cat([c.float().norm(dim=-1) for c in self.weight.split(self.vocab_chunk)])
-            self._inv_norm = 1.0 / norms.clamp_min(1e-12)
+            norms = []
+            for chunk in self.weight.split(self.vocab_chunk):
+                norms.append(chunk.float().norm(dim=-1))
+                self._read(chunk)
+            self._inv_norm = 1.0 / torch.cat(norms).clamp_min(1e-12)
         return self._inv_norm
 
     def precompute(self, ids: torch.Tensor | list[int] | None = None) -> None:
@@ -110,10 +119,12 @@ class TokenNeighbours:
     def _nearest(self, ids: torch.Tensor) -> torch.Tensor:
         inv = self._inverse_norms()
         query = self.weight[ids].float() * inv[ids, None]
+        self._read(query)
         best_val = query.new_empty(len(ids), 0)
         best_idx = torch.empty(len(ids), 0, dtype=torch.long)
         for v0 in range(0, self.vocab_size, self.vocab_chunk):
             rows = self.weight[v0 : v0 + self.vocab_chunk].float() * inv[v0 : v0 + self.vocab_chunk, None]
+            self._read(self.weight[v0 : v0 + self.vocab_chunk])
             sims = query @ rows.t()
             own = (ids >= v0) & (ids < v0 + rows.shape[0])
             sims[own.nonzero().flatten(), ids[own] - v0] = float("inf")  # the target itself comes first
@@ -155,25 +166,27 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     """Per-token cross-entropy of `hidden @ weight.T (+ bias)` over each token's subset (or the whole vocabulary).
 
     Forward computes, chunk by chunk, the loss and d loss / d hidden; backward only scales that gradient. Nothing
-    of size [tokens, k] or [tokens, vocab] is kept.
+    of size [tokens, k] or [tokens, vocab] is kept. The whole vocabulary is read in slices of `VOCAB_CHUNK_BYTES`
+    rows, each told to `stream` (a `WeightStream`, or None) after use, as are the rows a subset gathers.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, subsets, excluded, offsets, chunk_tokens):
+    def forward(ctx, hidden, weight, bias, targets, subsets, excluded, offsets, chunk_tokens, stream=None):
         n = hidden.shape[0]
         losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
         grad = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        slices = weight.split(max(1, VOCAB_CHUNK_BYTES // (weight.shape[1] * weight.element_size())))
         for s in range(0, n, chunk_tokens):
             h = hidden[s : s + chunk_tokens]
             if subsets is None:
-                rows = weight
-                z = h @ weight.t()
+                rows = None
+                z = torch.cat([_read(h @ w.t(), weight, w.numel(), stream) for w in slices], dim=1)
                 if bias is not None:
                     z = z + bias
                 target_col = targets[s : s + chunk_tokens]
             else:
                 idx = subsets[s : s + chunk_tokens].long()
-                rows = weight[idx]  # [c, k, hidden]
+                rows = _read(weight[idx], weight, idx.numel() * weight.shape[1], stream)  # [c, k, hidden]
                 z = torch.bmm(rows, h.unsqueeze(-1)).squeeze(-1)
                 if bias is not None:
                     z = z + bias[idx]
@@ -188,8 +201,11 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             if grad is not None:
                 p = (z - lse[:, None]).exp_()
                 p[torch.arange(len(p)), target_col] -= 1.0
-                p = p.to(rows.dtype)
-                grad[s : s + chunk_tokens] = p @ rows if subsets is None else (p.unsqueeze(1) @ rows).squeeze(1)
+                p = p.to(weight.dtype)
+                if subsets is None:
+                    grad[s : s + chunk_tokens] = _vocab_product(p, weight, slices, stream)
+                else:
+                    grad[s : s + chunk_tokens] = (p.unsqueeze(1) @ rows).squeeze(1)
                 del p
             del rows, z  # before the next chunk's gather: one chunk's rows at a time
         ctx.grad_hidden = grad
@@ -199,7 +215,24 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_losses):
         grad = ctx.grad_hidden
         ctx.grad_hidden = None
-        return grad * grad_losses[:, None].to(grad.dtype), None, None, None, None, None, None, None
+        return grad * grad_losses[:, None].to(grad.dtype), None, None, None, None, None, None, None, None
+
+
+def _read(result: torch.Tensor, weight: torch.Tensor, numel: int, stream) -> torch.Tensor:
+    """`result`, after telling `stream` that `numel` elements of `weight` were read."""
+    if stream is not None:
+        stream.touch(weight, numel * weight.element_size())
+    return result
+
+
+def _vocab_product(p: torch.Tensor, weight: torch.Tensor, slices: tuple[torch.Tensor, ...], stream) -> torch.Tensor:
+    """`p @ weight`, `weight` taken in its row `slices`: summed slice after slice, in a fixed order."""
+    out, v0 = None, 0
+    for w in slices:
+        part = p[:, v0 : v0 + w.shape[0]]
+        out = _read(part @ w if out is None else out.addmm_(part, w), weight, w.numel(), stream)
+        v0 += w.shape[0]
+    return out
 
 
 def chunk_tokens_for(row_bytes: int) -> int:
@@ -243,12 +276,14 @@ def subset_cross_entropy(
     bias: torch.Tensor | None = None,
     chunk_tokens: int | None = None,
     negatives: torch.Tensor | None = None,
+    stream=None,
 ) -> torch.Tensor:
     """Per-token losses [n] for `hidden` [n, hidden_size] and `targets` [n] (no -100 entries).
 
     `neighbours=None` is the full-vocabulary cross-entropy, computed in chunks of tokens. With neighbours, each
     position's softmax also holds the batch's targets (`negatives`: default `targets`' distinct ids, the k most
-    frequent when there are more; pass an empty tensor for the neighbours alone).
+    frequent when there are more; pass an empty tensor for the neighbours alone). `stream`: the `WeightStream` that
+    releases the weight's rows as they are read (memory savers).
     """
     if weight.requires_grad or (bias is not None and bias.requires_grad):
         raise ValueError(
@@ -281,4 +316,4 @@ def subset_cross_entropy(
     if chunk_tokens is None:
         width = weight.shape[0] * 4 if subsets is None else subsets.shape[1] * weight.shape[1] * weight.element_size()
         chunk_tokens = chunk_tokens_for(width)
-    return ChunkedCrossEntropy.apply(hidden, weight, bias, targets, subsets, excluded, offsets, chunk_tokens)
+    return ChunkedCrossEntropy.apply(hidden, weight, bias, targets, subsets, excluded, offsets, chunk_tokens, stream)

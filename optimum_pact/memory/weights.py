@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import pickle
 import tempfile
+import weakref
 from pathlib import Path
 
 import torch
@@ -32,7 +33,8 @@ MIN_BYTES = 2**20  # smaller tensors (norms, biases) cost a few pages: not worth
 def map_frozen_weights(model: nn.Module, folder: str | os.PathLike | None = None, min_bytes: int = MIN_BYTES) -> dict:
     """Replace every frozen parameter / buffer of at least `min_bytes` by a memory-mapped copy.
 
-    Returns `{"mapped": [tensor, ...], "names": [...], "bytes": total}`, each tensor once (tied weights stay tied).
+    Returns `{"mapped": [tensor, ...], "names": [...], "bytes": total, "file": WeightsFile}`, each tensor once (tied
+    weights stay tied); the `WeightsFile` is for `WeightStream`.
     The file goes in `folder` (default: the system temp dir) and needs as much free space as the mapped bytes.
     Call it once: a second call maps the mapped tensors again, into a new file. The file is checked as it is mapped
     back: if it is truncated or corrupt, or a tensor is missing or has another dtype or shape than was written, a
@@ -50,7 +52,7 @@ def map_frozen_weights(model: nn.Module, folder: str | os.PathLike | None = None
                 owners.setdefault(id(t), []).append((module, name, is_param))
                 tensors.setdefault(id(t), (f"{module_name}.{name}".lstrip("."), t))
     if not tensors:
-        return {"mapped": [], "names": [], "bytes": 0}
+        return {"mapped": [], "names": [], "bytes": 0, "file": None}
     root = Path(folder if folder is not None else tempfile.gettempdir()).expanduser()
     root.mkdir(parents=True, exist_ok=True)
     fd, path = tempfile.mkstemp(prefix="pact-weights-", suffix=".pt", dir=root)
@@ -58,8 +60,9 @@ def map_frozen_weights(model: nn.Module, folder: str | os.PathLike | None = None
     try:
         torch.save({name: t.detach().contiguous() for name, t in tensors.values()}, path)
         loaded = _read_back(path, {name: (t.dtype, t.shape) for name, t in tensors.values()})
+        weights_file = WeightsFile(path)
     finally:
-        os.unlink(path)  # the mapping keeps the inode alive; nothing is left behind
+        os.unlink(path)  # the mapping (and the descriptor kept) keep the inode alive; nothing is left behind
     frozen_linears = set()
     for key, places in owners.items():
         mapped = loaded[tensors[key][0]]
@@ -79,7 +82,38 @@ def map_frozen_weights(model: nn.Module, folder: str | os.PathLike | None = None
         "mapped": mapped,
         "names": [tensors[key][0] for key in owners],
         "bytes": sum(t.numel() * t.element_size() for t in mapped),
+        "file": weights_file,
     }
+
+
+class WeightsFileError(RuntimeError):
+    """The weights file under a mapping lost bytes while the mapping was in use."""
+
+
+class WeightsFile:
+    """The (unlinked) file `map_frozen_weights` mapped, held open so that its size can be checked before pages are
+    read back from it: `check()` raises `WeightsFileError` where reading would raise SIGBUS."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY)
+        stat = os.fstat(self.fd)
+        self.size, self.device, self.inode = stat.st_size, stat.st_dev, stat.st_ino
+        self._finalizer = weakref.finalize(self, os.close, self.fd)
+
+    def check(self) -> None:
+        size = os.fstat(self.fd).st_size
+        if size < self.size:
+            raise WeightsFileError(
+                f"The frozen-weights file {self.path} (unlinked when it was mapped, still open as /proc/{os.getpid()}"
+                f"/fd/{self.fd}) was cut from {self.size} to {size} bytes while training ran: the frozen weights can "
+                "no longer be read back from it. Nothing of this step was saved; the last checkpoint is intact. "
+                "Find what truncates files of this process (a cleaner with access to /proc), then start the job "
+                "again, resuming from that checkpoint: the weights are written anew."
+            )
+
+    def close(self) -> None:
+        self._finalizer()
 
 
 def _read_back(path: str, written: dict[str, tuple[torch.dtype, torch.Size]]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,216 @@
+"""Stream the memory-mapped frozen weights: only the weights being multiplied stay resident.
+
+`map_frozen_weights` puts the frozen weights in a file mapping, but a step touches every one of them (forward,
+recomputation, input gradient), so without more they all become resident (RssFile, and so VmHWM) and stay so.
+`WeightStream` hands each touched range back to the kernel as soon as its use is over:
+
+- every `FrozenLinear` releases its packed weight (`madvise(MADV_DONTNEED)`) after each product and asks the kernel
+  to read ahead (`MADV_WILLNEED`) the next layer's, in the order the pass runs (forward: the next layer; input
+  gradient: the one before);
+- the embedding / output-head table is released after the embedding lookup, after every `window_bytes` of rows the
+  loss gathers (`touch`), and as the nearest-token index for the subset softmax reads it;
+- anything else mapped is released with the rest by `release_all()` (MemorySavers calls it around each step).
+
+So the process holds at most one layer's packed weight and `window_bytes` of the table at a time; `peak_held_bytes`
+is that bound as it was reached. Exact: the mapping is private, file-backed and never written, so a released page
+reads back the same bytes from the page cache (or the disk, if the kernel dropped it): losses and gradients are
+bit for bit those of the same step without streaming (tests/test_streaming.py).
+
+Releasing is only ever done on ranges checked to lie in the weights file's mapping (`/proc/self/maps`, by inode):
+`MADV_DONTNEED` on anonymous memory would zero it. Before each product the file's size is checked (`fstat` on the
+descriptor kept open): a file cut short under a running job raises `WeightsFileError` instead of the SIGBUS the next
+page fault would raise. Linux only (madvise, /proc); elsewhere MemorySavers maps without streaming.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import sys
+
+import torch
+from torch import nn
+
+from ..dataflow import FrozenLinear
+from ..dataflow.linear import PACKED_NAMES
+from .weights import WeightsFile, WeightsFileError
+
+PAGE = mmap.PAGESIZE
+DEFAULT_WINDOW_BYTES = 16 * 2**20  # output-head / embedding rows touched between two releases
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+if _LIBC is not None:
+    _LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    _LIBC.madvise.restype = ctypes.c_int
+
+
+def streaming_available() -> bool:
+    return _LIBC is not None and os.path.exists("/proc/self/maps")
+
+
+def byte_range(t: torch.Tensor) -> tuple[int, int]:
+    """[start, end) addresses of the bytes `t` views (any strides)."""
+    if t.numel() == 0:
+        return t.data_ptr(), t.data_ptr()
+    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + span * t.element_size()
+
+
+def _pages(start: int, end: int) -> tuple[int, int]:
+    return start & ~(PAGE - 1), (end + PAGE - 1) & ~(PAGE - 1)
+
+
+def file_mappings(device: int, inode: int) -> list[tuple[int, int]]:
+    """[start, end) of this process's mappings of the file `inode` on `device` (st_dev; from /proc/self/maps)."""
+    out, dev = [], f"{os.major(device):02x}:{os.minor(device):02x}"
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            if len(fields) >= 5 and int(fields[4]) == inode and fields[3] == dev:
+                lo, hi = fields[0].split("-")
+                out.append((int(lo, 16), int(hi, 16)))
+    return out
+
+
+def resident_bytes(start: int, end: int) -> int:
+    """Bytes of [start, end) resident in this process (present bits of /proc/self/pagemap)."""
+    lo, hi = _pages(start, end)
+    if hi == lo:
+        return 0
+    with open("/proc/self/pagemap", "rb") as f:
+        f.seek(lo // PAGE * 8)
+        entries = torch.frombuffer(bytearray(f.read((hi - lo) // PAGE * 8)), dtype=torch.int64)
+    return int((entries < 0).sum()) * PAGE  # bit 63: present
+
+
+class _LayerStream:
+    """One FrozenLinear's packed tensors in the stream; `FrozenLinear` calls `before` / `after` around a product."""
+
+    def __init__(self, stream: WeightStream, ranges: list[tuple[int, int]]):
+        self.stream, self.ranges = stream, ranges
+        self.nbytes = sum(hi - lo for lo, hi in ranges)
+        self.next: _LayerStream | None = None
+        self.previous: _LayerStream | None = None
+
+    def before(self, kind: str) -> None:
+        self.stream.weights_file.check()
+        self.stream.hold(self.nbytes)
+
+    def after(self, kind: str) -> None:
+        self.stream.release_all()
+        self.stream.hold(-self.nbytes)
+        ahead = self.next if kind == "forward" else self.previous
+        if ahead is not None:
+            for lo, hi in ahead.ranges:
+                self.stream.advise(lo, hi, mmap.MADV_WILLNEED)
+
+
+class WeightStream:
+    """Release the mapped frozen weights of `model` as soon as each use is over (see the module docstring).
+
+    Args:
+        model: the model `map_frozen_weights` mapped (a transformers or peft model).
+        weights_file: the `WeightsFile` it returned.
+        window_bytes: table rows touched between two releases of the table.
+        sample_every: read the mapping's resident bytes (/proc/self/pagemap, ~0.3 ms for 170 MB) before every
+            this many releases, for `peak_resident_bytes`: the largest resident share of the weights file seen.
+    `peak_held_bytes` is the bound the stream keeps (layer bytes in use plus table bytes read since the last
+    release); `peak_resident_bytes` what the kernel showed, sampled. Call `close()` to take the hooks off (the
+    weights stay mapped).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        weights_file: WeightsFile,
+        window_bytes: int = DEFAULT_WINDOW_BYTES,
+        sample_every: int = 8,
+    ):
+        if not streaming_available():
+            raise RuntimeError("Weight streaming needs Linux (madvise and /proc/self/maps).")
+        if isinstance(window_bytes, bool) or not isinstance(window_bytes, int) or window_bytes < PAGE:
+            raise ValueError(f"WeightStream window_bytes={window_bytes!r} must be an integer >= {PAGE} (one page).")
+        self.weights_file, self.window_bytes = weights_file, window_bytes
+        self.mappings = file_mappings(weights_file.device, weights_file.inode)
+        if not self.mappings:
+            raise RuntimeError(f"The weights file {weights_file.path} is not mapped in this process.")
+        self.held_bytes = self.peak_held_bytes = self.releases = self.peak_resident_bytes = 0
+        self.sample_every = max(1, int(sample_every))
+        self.mapped_bytes = sum(hi - lo for lo, hi in self.mappings)
+        self._touched = 0
+        self._layers: list[tuple[FrozenLinear, _LayerStream]] = []
+        self._hooks = []
+        previous = None
+        for module in model.modules():
+            if not isinstance(module, FrozenLinear):
+                continue
+            tensors = [getattr(module, name) for name in PACKED_NAMES if hasattr(module, name)]
+            ranges = [byte_range(t) for t in tensors]
+            if not all(self._inside(lo, hi) for lo, hi in ranges):
+                continue  # not mapped (e.g. on another device): left alone
+            layer = _LayerStream(self, ranges)
+            layer.previous, module.stream = previous, layer
+            if previous is not None:
+                previous.next = layer
+            previous = layer
+            self._layers.append((module, layer))
+        embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        if embedding is not None and self._inside(*byte_range(embedding.weight)):
+            self._hooks.append(embedding.register_forward_pre_hook(lambda *_: self.weights_file.check()))
+            self._hooks.append(embedding.register_forward_hook(lambda *_: self.release_all()))
+
+    @property
+    def layers(self) -> int:
+        return len(self._layers)
+
+    def _inside(self, lo: int, hi: int) -> bool:
+        return any(start <= lo and hi <= end for start, end in self.mappings)
+
+    def advise(self, lo: int, hi: int, advice: int) -> None:
+        """madvise the pages of [lo, hi), which must lie in the weights file's mapping."""
+        if not self._inside(lo, hi):
+            raise ValueError(f"[{lo:#x}, {hi:#x}) is not in the mapping of {self.weights_file.path}; not released.")
+        lo, hi = _pages(lo, hi)
+        if _LIBC.madvise(lo, hi - lo, advice) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"madvise({advice}) on the weights mapping failed: {os.strerror(err)}")
+
+    def hold(self, nbytes: int) -> None:
+        self.held_bytes += nbytes
+        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
+
+    def touch(self, t: torch.Tensor, nbytes: int) -> None:
+        """`nbytes` of `t` (an output-head / embedding table) were just read: release once `window_bytes` were
+        read since the last release."""
+        self.weights_file.check()
+        self._touched += nbytes
+        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes + self._touched)
+        if self._touched >= self.window_bytes:
+            self.release_all()
+
+    def release_all(self) -> None:
+        """Drop every resident page of the weights file (safe at any time: they read back on use). The whole
+        mapping, not the range just used: a page fault maps the page cache's whole folio around the page (up to
+        2 MiB), neighbours included. It costs ~50 us for a 1 GiB mapping (AMD EPYC, Linux 6.18)."""
+        if self.releases % self.sample_every == 0:
+            self.peak_resident_bytes = max(self.peak_resident_bytes, self.resident_bytes())
+        for lo, hi in self.mappings:
+            self.advise(lo, hi, mmap.MADV_DONTNEED)
+        self.releases += 1
+        self._touched = 0
+
+    def resident_bytes(self) -> int:
+        """The weights file's bytes resident in this process now (from /proc/self/pagemap)."""
+        return sum(resident_bytes(lo, hi) for lo, hi in self.mappings)
+
+    def close(self) -> None:
+        for module, layer in self._layers:
+            if module.stream is layer:
+                module.stream = None
+        self._layers = []
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+
+__all__ = ["DEFAULT_WINDOW_BYTES", "WeightStream", "WeightsFileError", "resident_bytes", "streaming_available"]
