@@ -1,13 +1,21 @@
 """Peak memory of one LoRA forward + backward at batch 1, down the cumulative stack of PACT's memory savers.
 
-Arms (each adds to the one before; one fresh process per arm):
+Arms (the first five each add to the one before; one fresh process per arm):
     baseline    peft LoRA, fp32 weights and compute, sdpa attention, full-vocabulary loss
     nvfp4       PACT: the targeted linears frozen as NVFP4 (`get_peft_model(model, PactConfig(...))`)
     checkpoint  + per-block checkpointing, block inputs offloaded to disk, selective caching, chunked MLP,
-                  frozen weights memory-mapped from disk (`map_frozen_weights`)
+                  frozen weights memory-mapped from disk (`map_frozen_weights`) and streamed (`WeightStream`:
+                  each weight's pages handed back to the kernel once its product is done)
     subset      + softmax over the target's 1000 nearest tokens (logits [tokens, 1000], never [tokens, vocab])
-    mask        + logits masking: the output head runs only at labelled positions
+    mask        + logits masking: the output head runs only at labelled positions (the 'full' preset)
+    exact       the 'exact' preset: checkpoint + mask, full-vocabulary softmax (no approximation)
+    mask_unstreamed  mask with the weights mapped but not streamed: what streaming saves, and its step-time cost
 LoRA r=16 (alpha 32) on all linears, fp32 activations, labels on the last 30% of the tokens (the prompt is -100).
+
+The headline (`headline`, `resident_ratio_vs_baseline`) is resident memory as the kernel counts it: VmHWM above
+an idle process, mapped pages included, for 'full' (mask) and 'exact' against the baseline. A baseline too large
+to run (`--fake-arms baseline`) is counted by its fake-tensor live peak, which is below what its VmHWM would be:
+the ratio is then conservative, and the JSON says so (`baseline_resident_from`).
 
 What is measured, per arm:
 (a) live-tensor peak: `optimum_pact.memory.LiveTensorTracker`, a TorchDispatchMode that registers the storage of
@@ -27,8 +35,13 @@ What is measured, per arm:
     process (idle included) runs with glibc's MALLOC_MMAP_THRESHOLD_=65536 (`--malloc-mmap-threshold`), so a freed
     tensor's memory goes back to the system: with glibc's default, the threshold rises to 32 MiB after the first
     large free and freed tensors stay in the heap (SmolLM2 subset arm at 512 tokens: step growth 0.55 GiB with the
-    default, 0.20 GiB with 64 KiB, for a live peak of 0.11 GiB plus 0.16 GiB of mapped weights).
-A step runs twice per process: first untracked, timed, for (b) and the step time; then tracked, for (a).
+    default, 0.20 GiB with 64 KiB, for a live peak of 0.11 GiB plus 0.16 GiB of mapped weights). This is the
+    headline.
+(c) the live peak plus the mapped bytes the step touched (`live_plus_mapped_touched_gib`: the tracked step runs
+    unstreamed, then the weights file's resident pages are read from /proc/self/pagemap), and the mapped bytes
+    alone (`mapped_touched_gib`; `mapped_resident_peak_gib`: the most of them seen resident while streaming).
+A step runs twice per process: first untracked, timed, for (b) and the step time (streamed, in streamed arms); then
+tracked, for (a) and (c).
 NVFP4 arms use PactConfig(backend_options={"tile_size": 256}) (dequantized tiles of 256 rows / columns, never the
 whole weight); the savers use MemorySavers' defaults (no attention cache, `--cache-mib` sets one; MLP recomputed in
 chunks of 512 tokens). Step times on a shared 2-core machine are noise: compare them only from a quiet run.
@@ -42,11 +55,14 @@ Baseline too large for the machine: `--fake-arms baseline` runs the same build a
 step runs under FakeTensorMode with the same tracker), which gives (a) without allocating; `--validate-fake`
 measures the baseline both ways at the given size (the numbers must agree).
 
-Architectures: Llama-3.2-1B and Qwen2.5-0.5B from their published configs with random weights (right for memory,
-not for quality), SmolLM2-135M-Instruct with its real weights. Prints one JSON line per configuration with every
+Architectures: Llama-3.2-1B, Qwen2.5-0.5B and Qwen2.5-3B from their published configs with random weights (right
+for memory, not for quality; the 3B is quantized while it is built, `build_quantized`), SmolLM2-135M-Instruct with
+its real weights. Prints one JSON line per configuration with every
 arm's ratio to the baseline.
 
     python benchmarks/bench_memory.py --quick                       # tiny model, seconds; validates the script
+    python benchmarks/bench_memory.py --arch qwen2.5-0.5b --seq 3072 --arms baseline,mask,exact,mask_unstreamed
+    python benchmarks/bench_memory.py --arch qwen2.5-3b --seq 4096 --fake-arms baseline --arms baseline,mask,exact
     python benchmarks/bench_memory.py --arch qwen2.5-0.5b --seq 3072
     python benchmarks/bench_memory.py --arch qwen2.5-0.5b --seq 4096 --fake-arms baseline \
         --arms baseline,checkpoint,subset,mask
@@ -67,14 +83,17 @@ import sys
 import tempfile
 import time
 
-ARMS = ("baseline", "nvfp4", "checkpoint", "subset", "mask")
-SAVERS = {  # MemorySavers options per arm (None: no savers)
+ARMS = ("baseline", "nvfp4", "checkpoint", "subset", "mask", "exact", "mask_unstreamed")
+SAVERS = {  # MemorySavers options per arm (None: no savers); mapped weights are streamed unless said otherwise
     "baseline": None,
     "nvfp4": None,
     "checkpoint": {"map_weights": True, "subset_k": None, "mask_logits": False},
     "subset": {"map_weights": True, "subset_k": 1000, "mask_logits": False},
-    "mask": {"map_weights": True, "subset_k": 1000, "mask_logits": True},
+    "mask": {"map_weights": True, "subset_k": 1000, "mask_logits": True},  # the full stack ('full' preset)
+    "exact": {"map_weights": True, "subset_k": None, "mask_logits": True},  # the 'exact' preset: no approximation
+    "mask_unstreamed": {"map_weights": True, "subset_k": 1000, "mask_logits": True, "stream_weights": False},
 }
+HEADLINE = ("mask", "exact")  # the full stack and the exact one, each against the baseline
 # Published configs (config.json of meta-llama/Llama-3.2-1B and Qwen/Qwen2.5-0.5B); weights are random.
 ARCHS = {
     "llama-3.2-1b": dict(
@@ -86,6 +105,12 @@ ARCHS = {
     ),
     "qwen2.5-0.5b": dict(
         model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, tie_word_embeddings=True, hidden_act="silu", use_sliding_window=False,
+    ),
+    # Qwen/Qwen2.5-3B's config.json: the seed's scale. PACT arms quantize it while building it (`build_quantized`)
+    "qwen2.5-3b": dict(
+        model_type="qwen2", hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
         num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rms_norm_eps=1e-6,
         rope_theta=1000000.0, tie_word_embeddings=True, hidden_act="silu", use_sliding_window=False,
     ),
@@ -106,7 +131,55 @@ CONFIGS = [
 GIB = 2**30
 
 
+QUANTIZED_WHILE_BUILT = ("qwen2.5-3b",)  # fp32 weights of the whole model never exist at once
+LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
 # ---------------------------------------------------------------- one arm (runs in its own process)
+def build_quantized(arch: str, r: int, tile_size: int | None):
+    """A PACT model of `arch` with random weights, built on the meta device and materialized one linear at a time:
+    each decoder linear gets its fp32 weight (normal, std 0.02, as transformers initializes) and is quantized to an
+    NVFP4 `FrozenLinear` at once, so at most one linear's fp32 weight exists. Embedding (tied output head) fp32
+    random, norms 1, rotary frequencies computed; then `get_peft_model` wraps the FrozenLinears with LoRA."""
+    import torch
+    from peft import get_peft_model
+    from torch import nn
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from optimum_pact.dataflow import FrozenLinear
+    from peft_ext import PactConfig
+
+    numbers = dict(ARCHS[arch])
+    config = AutoConfig.for_model(numbers.pop("model_type"), **numbers)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    pact = PactConfig(r=r, lora_alpha=2 * r, target_modules=LINEARS, backend_options={"tile_size": tile_size})
+    backend, gen = pact.get_backend(), torch.Generator().manual_seed(0)
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in LINEARS:
+            linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+            with torch.no_grad():
+                linear.weight.normal_(0.0, config.initializer_range, generator=gen)
+                if linear.bias is not None:
+                    linear.bias.zero_()
+            parent, child = name.rsplit(".", 1)
+            setattr(model.get_submodule(parent), child, FrozenLinear.from_linear(linear, backend=backend))
+            del linear
+    embed = model.get_input_embeddings()
+    embed.weight = nn.Parameter(torch.empty(embed.weight.shape).normal_(0.0, config.initializer_range, generator=gen))
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for key, t in list(table.items()):
+                if t is not None and t.is_meta:  # the norms
+                    ones = torch.ones(t.shape)
+                    table[key] = nn.Parameter(ones, requires_grad=False) if table is module._parameters else ones
+    model.tie_weights()
+    model = get_peft_model(model, pact)
+    model.train()
+    return model
+
+
 def build(arch: str, arm: str, r: int, tile_size: int | None, real_weights: bool = True):
     import torch
     from peft import LoraConfig, get_peft_model
@@ -115,6 +188,8 @@ def build(arch: str, arm: str, r: int, tile_size: int | None, real_weights: bool
     from peft_ext import PactConfig
 
     torch.manual_seed(0)
+    if arch in QUANTIZED_WHILE_BUILT and arm != "baseline" and real_weights:
+        return build_quantized(arch, r, tile_size)
     if ARCHS[arch] is None:
         from optimum_pact.commands.default_model import ensure_default_model
 
@@ -199,6 +274,7 @@ def run_arm(
     import torch
 
     from optimum_pact.memory import LiveTensorTracker, MemorySavers, fake_peak, module_tensors
+    from optimum_pact.memory.streaming import mapping_resident_bytes, release_mapping
 
     torch.set_num_threads(2)
     result = {"arch": arch, "arm": arm, "seq": seq, "mode": "fake" if fake else "real"}
@@ -238,6 +314,14 @@ def run_arm(
     result["step_s"] = time.perf_counter() - start
     result["step_cpu_s"] = time.process_time() - cpu  # less sensitive than wall time to a busy machine
     result["vmhwm_bytes"] = _status_bytes("VmHWM")
+    weights_file = savers.weights_file if savers is not None else None
+    if weights_file is not None:
+        result["mapped_resident_after_step_bytes"] = mapping_resident_bytes(weights_file)
+        if savers.stream is not None:
+            result["mapped_resident_peak_bytes"] = savers.stream.peak_resident_bytes  # sampled every 8th release
+            result["stream_releases"] = savers.stream.releases
+        savers.stop_streaming()  # the tracked step below also measures what a step touches of the mapping
+        release_mapping(weights_file)
     model.zero_grad(set_to_none=True)
     _trim()
     with LiveTensorTracker([*module_tensors(model), ids, labels], mapped=mapped, breakdown=True) as tracker:
@@ -245,6 +329,8 @@ def run_arm(
         step(model, ids, labels)
     result["live_peak_bytes"] = tracker.peak_bytes
     result["mapped_bytes"] = tracker.mapped_bytes
+    if weights_file is not None:
+        result["mapped_touched_bytes"] = mapping_resident_bytes(weights_file)  # every page the step read
     top = sorted(tracker.peak_breakdown.items(), key=lambda kv: -kv[1])[:8]  # within 1% of the peak
     result["peak_by_op_mib"] = {name: round(size / 2**20, 1) for name, size in top}
     if savers is not None:
@@ -394,8 +480,10 @@ def measure(arch: str, seq: int, arms, fake_arms, args) -> dict:
         hwm = f"{(run['vmhwm_bytes'] - idle) / GIB:7.3f}" if "vmhwm_bytes" in run else "   fake"
         step_s = f"{run['step_s']:7.2f}" if "step_s" in run else "      -"
         live, weights = run["live_peak_bytes"] / GIB, run["weights_bytes"] / GIB
-        line = f"live peak {live:7.3f} GiB (weights {weights:.3f}), VmHWM-idle {hwm} GiB, step {step_s} s"
-        print(f"{arch} seq {seq} {arm:>10}: {line}", file=sys.stderr)
+        touched = run.get("mapped_touched_bytes", 0) / GIB
+        line = (f"VmHWM-idle {hwm} GiB, live peak {live:7.3f} GiB (weights {weights:.3f}) + mapped touched "
+                f"{touched:.3f}, step {step_s} s")  # fmt: skip
+        print(f"{arch} seq {seq} {arm:>15}: {line}", file=sys.stderr)
     return summarize(arch, seq, runs, idle, args)
 
 
@@ -403,9 +491,32 @@ def summarize(arch: str, seq: int, runs: dict, idle: int, args) -> dict:
     live = {arm: run["live_peak_bytes"] / GIB for arm, run in runs.items()}
     hwm = {arm: (run["vmhwm_bytes"] - idle) / GIB for arm, run in runs.items() if "vmhwm_bytes" in run}
     step_s = {arm: run["step_s"] for arm, run in runs.items() if "step_s" in run}
+    touched = {arm: run.get("mapped_touched_bytes", 0) / GIB for arm, run in runs.items()}
+    live_mapped = {arm: live[arm] + touched[arm] for arm in runs}
     base = "baseline"
+    # the headline: resident memory as the kernel counts it (VmHWM above an idle process, mapped pages included);
+    # a baseline too large to run is counted by its fake-tensor live peak, which is below its VmHWM (conservative)
+    resident = dict(hwm)
+    if base in runs and base not in hwm:
+        resident[base] = live[base]
     out = {
         "bench": "memory", "arch": arch, "seq": seq, "r": args.r, "trainable": args.trainable,
+        "resident_gib": resident,
+        "resident_ratio_vs_baseline": {arm: resident[base] / v for arm, v in resident.items()}
+        if base in resident else {},
+        "baseline_resident_from": "VmHWM - idle" if base in hwm else "fake-tensor live peak (too large to run)",
+        "headline": {arm: resident[base] / resident[arm] for arm in HEADLINE if arm in resident and base in resident},
+        "live_plus_mapped_touched_gib": live_mapped,
+        "live_plus_mapped_ratio_vs_baseline": {arm: live_mapped[base] / v for arm, v in live_mapped.items()}
+        if base in live_mapped else {},
+        "mapped_touched_gib": touched,
+        "mapped_resident_after_step_gib": {arm: run["mapped_resident_after_step_bytes"] / GIB
+                                           for arm, run in runs.items() if "mapped_resident_after_step_bytes" in run},
+        "mapped_resident_peak_gib": {arm: run["mapped_resident_peak_bytes"] / GIB
+                                     for arm, run in runs.items() if "mapped_resident_peak_bytes" in run},
+        "streaming_step_time_ratio": step_s["mask"] / step_s["mask_unstreamed"]
+        if "mask" in step_s and "mask_unstreamed" in step_s else None,
+        "cpu": _cpu(),
         "modes": {arm: run["mode"] for arm, run in runs.items()},
         "live_peak_gib": live, "weights_gib": {arm: run["weights_bytes"] / GIB for arm, run in runs.items()},
         "mapped_gib": {arm: run.get("mapped_bytes", 0) / GIB for arm, run in runs.items()},
@@ -415,12 +526,26 @@ def summarize(arch: str, seq: int, runs: dict, idle: int, args) -> dict:
         "live_ratio_vs_baseline": {arm: live[base] / v for arm, v in live.items()} if base in live else {},
         "vmhwm_ratio_vs_baseline": {arm: hwm[base] / v for arm, v in hwm.items()} if base in hwm else {},
     }  # fmt: skip
-    order = [arm for arm in ARMS if arm in step_s]
+    order = [arm for arm in ARMS[:5] if arm in step_s]  # the cumulative stack
     out["step_time_vs_previous_arm"] = {b: step_s[b] / step_s[a] for a, b in zip(order, order[1:])}
     extras = ("step_cpu_s", "mapped_bytes", "neighbours_s", "offloaded_bytes_per_step", "offload_files_left", "loss",
-              "peak_by_op_mib")  # fmt: skip
+              "peak_by_op_mib", "stream_releases")  # fmt: skip
     out["details"] = {arm: {k: run[k] for k in extras if k in run} for arm, run in runs.items()}
     return out
+
+
+def _cpu() -> dict:
+    """lscpu's model name and whether AMX / AVX512-BF16 are there (every timing says which CPU it ran on)."""
+    model, flags = "", ""
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+            if line.startswith("Model name:"):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("Flags:"):
+                flags = line
+    except OSError:
+        pass
+    return {"model": model, "amx": "amx_tile" in flags, "avx512_bf16": "avx512_bf16" in flags}
 
 
 def validate_fake(arch: str, seq: int, args) -> dict:

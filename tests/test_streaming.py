@@ -172,3 +172,20 @@ def test_weights_file_truncated_mid_run_is_a_clear_error_and_checkpoints_survive
     assert "was cut from" in result["error"] and "the last checkpoint is intact" in result["error"]
     assert [c for c in result["checkpoints"] if c.startswith("checkpoint-")] == ["checkpoint-1", "checkpoint-2"]
     assert result["finite"]  # checkpoint-2 loads in stock peft and runs
+
+
+@pytest.mark.parametrize("native", ["0", "1"])
+def test_rows_are_read_from_the_file_not_through_the_mapping(native, tmp_path, monkeypatch):
+    monkeypatch.setenv("PACT_DISABLE_NATIVE", "1" if native == "0" else "0")  # the C kernel and the Python loop
+    model = _model(num_hidden_layers=1)
+    with MemorySavers.from_preset(model, "full", offload_dir=tmp_path, subset_k=64) as savers:
+        stream, embedding = savers.stream, model.get_input_embeddings()
+        ids = torch.randint(0, SIZES["vocab_size"], (2, 300), generator=torch.Generator().manual_seed(0))
+        stream.release_all()
+        rows, looked_up = stream.gather(embedding.weight, ids[0]), embedding(ids)
+        # a lookup through the mapping would have mapped the page-cache folio around every row: most of the table
+        assert stream.resident_bytes() == 0
+        assert torch.equal(rows, embedding.weight[ids[0]])
+        assert torch.equal(looked_up, torch.nn.functional.embedding(ids, embedding.weight))
+        assert stream.resident_bytes() > 100 * 4096  # the reference lookups above read through the mapping
+    assert "forward" not in vars(embedding)  # close() put the embedding's own forward back

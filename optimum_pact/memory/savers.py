@@ -157,13 +157,17 @@ class MemorySavers:
         base.forward = forward
         self._loss_wrapped = True
 
-    def close(self) -> None:
-        """Restore the model's forwards, stop streaming and delete the offload folder (the weights stay mapped)."""
+    def stop_streaming(self) -> None:
+        """Leave the mapped weights' pages to the kernel's own policy from now on (resident once touched)."""
         if self.stream is not None:
             self.stream.close()
             self.stream = None
             if self.neighbours is not None:
                 self.neighbours.stream = None
+
+    def close(self) -> None:
+        """Restore the model's forwards, stop streaming and delete the offload folder (the weights stay mapped)."""
+        self.stop_streaming()
         if self.checkpointing is not None:
             self.checkpointing.restore()
             self.checkpointing = None

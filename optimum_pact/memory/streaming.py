@@ -34,6 +34,7 @@ from torch import nn
 
 from ..dataflow import FrozenLinear
 from ..dataflow.linear import PACKED_NAMES
+from ..nvfp4.kernels import pread_rows
 from .weights import WeightsFile, WeightsFileError
 
 PAGE = mmap.PAGESIZE
@@ -60,15 +61,16 @@ def _pages(start: int, end: int) -> tuple[int, int]:
     return start & ~(PAGE - 1), (end + PAGE - 1) & ~(PAGE - 1)
 
 
-def file_mappings(device: int, inode: int) -> list[tuple[int, int]]:
-    """[start, end) of this process's mappings of the file `inode` on `device` (st_dev; from /proc/self/maps)."""
+def file_mappings(device: int, inode: int) -> list[tuple[int, int, int]]:
+    """(start, end, file offset) of this process's mappings of the file `inode` on `device` (st_dev; from
+    /proc/self/maps)."""
     out, dev = [], f"{os.major(device):02x}:{os.minor(device):02x}"
     with open("/proc/self/maps") as f:
         for line in f:
             fields = line.split(maxsplit=5)
             if len(fields) >= 5 and int(fields[4]) == inode and fields[3] == dev:
                 lo, hi = fields[0].split("-")
-                out.append((int(lo, 16), int(hi, 16)))
+                out.append((int(lo, 16), int(hi, 16), int(fields[2], 16)))
     return out
 
 
@@ -81,6 +83,20 @@ def resident_bytes(start: int, end: int) -> int:
         f.seek(lo // PAGE * 8)
         entries = torch.frombuffer(bytearray(f.read((hi - lo) // PAGE * 8)), dtype=torch.int64)
     return int((entries < 0).sum()) * PAGE  # bit 63: present
+
+
+def mapping_resident_bytes(weights_file: WeightsFile) -> int:
+    """Bytes of `weights_file` resident in this process now (every mapping of it)."""
+    return sum(resident_bytes(lo, hi) for lo, hi, _ in file_mappings(weights_file.device, weights_file.inode))
+
+
+def release_mapping(weights_file: WeightsFile) -> None:
+    """Drop every resident page of this process's mappings of `weights_file` (they read back on use)."""
+    for lo, hi, _ in file_mappings(weights_file.device, weights_file.inode):
+        lo, hi = _pages(lo, hi)
+        if _LIBC.madvise(lo, hi - lo, mmap.MADV_DONTNEED) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"madvise(MADV_DONTNEED) on {weights_file.path} failed: {os.strerror(err)}")
 
 
 class _LayerStream:
@@ -131,7 +147,9 @@ class WeightStream:
         if isinstance(window_bytes, bool) or not isinstance(window_bytes, int) or window_bytes < PAGE:
             raise ValueError(f"WeightStream window_bytes={window_bytes!r} must be an integer >= {PAGE} (one page).")
         self.weights_file, self.window_bytes = weights_file, window_bytes
-        self.mappings = file_mappings(weights_file.device, weights_file.inode)
+        found = file_mappings(weights_file.device, weights_file.inode)
+        self.mappings = [(lo, hi) for lo, hi, _ in found]
+        self._offsets = [offset for _, _, offset in found]
         if not self.mappings:
             raise RuntimeError(f"The weights file {weights_file.path} is not mapped in this process.")
         self.held_bytes = self.peak_held_bytes = self.releases = self.peak_resident_bytes = 0
@@ -154,10 +172,13 @@ class WeightStream:
                 previous.next = layer
             previous = layer
             self._layers.append((module, layer))
-        embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-        if embedding is not None and self._inside(*byte_range(embedding.weight)):
-            self._hooks.append(embedding.register_forward_pre_hook(lambda *_: self.weights_file.check()))
-            self._hooks.append(embedding.register_forward_hook(lambda *_: self.release_all()))
+        self._embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        if not self._readable(self._embedding):
+            self._embedding = None
+        elif "forward" in vars(self._embedding):
+            raise ValueError(f"{type(self._embedding).__name__}.forward is already replaced on this instance.")
+        else:  # the batch's rows read from the file: a lookup through the mapping would map the table's folios
+            self._embedding.forward = self._lookup
 
     @property
     def layers(self) -> int:
@@ -203,7 +224,39 @@ class WeightStream:
         """The weights file's bytes resident in this process now (from /proc/self/pagemap)."""
         return sum(resident_bytes(lo, hi) for lo, hi in self.mappings)
 
+    def _readable(self, embedding) -> bool:
+        return (
+            type(embedding) is nn.Embedding
+            and embedding.max_norm is None
+            and embedding.weight.is_contiguous()
+            and self._inside(*byte_range(embedding.weight))
+        )
+
+    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """`nn.Embedding.forward` (frozen weight, no max_norm) with the rows read from the weights file."""
+        ids, inverse = input_ids.reshape(-1).unique(return_inverse=True)
+        return self.gather(self._embedding.weight, ids)[inverse].view(*input_ids.shape, -1)
+
+    def gather(self, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """`table[ids]` for a mapped 2-D contiguous `table` and 1-D `ids`, read from the weights file with pread, never
+        through the mapping: a page fault maps the page-cache folio around it (up to 2 MiB), so rows gathered from
+        all over a table would map most of it. Other tensors: `table[ids]`."""
+        lo, hi = byte_range(table)
+        index = next((i for i, (start, end) in enumerate(self.mappings) if start <= lo and hi <= end), None)
+        if index is None or not table.is_contiguous() or table.dim() != 2:
+            return table[ids]
+        self.weights_file.check()
+        out = torch.empty(len(ids), table.shape[1], dtype=table.dtype)
+        base = self._offsets[index] + lo - self.mappings[index][0]
+        if pread_rows(self.weights_file.fd, base, ids, out) != len(ids):
+            self.weights_file.check()  # names a truncated file
+            raise OSError(f"Reading rows of the weights file {self.weights_file.path} failed.")
+        return out
+
     def close(self) -> None:
+        if self._embedding is not None:
+            vars(self._embedding).pop("forward", None)
+            self._embedding = None
         for module, layer in self._layers:
             if module.stream is layer:
                 module.stream = None
@@ -213,4 +266,12 @@ class WeightStream:
         self._hooks = []
 
 
-__all__ = ["DEFAULT_WINDOW_BYTES", "WeightStream", "WeightsFileError", "resident_bytes", "streaming_available"]
+__all__ = [
+    "DEFAULT_WINDOW_BYTES",
+    "WeightStream",
+    "WeightsFileError",
+    "mapping_resident_bytes",
+    "release_mapping",
+    "resident_bytes",
+    "streaming_available",
+]

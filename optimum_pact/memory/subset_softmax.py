@@ -118,8 +118,8 @@ class TokenNeighbours:
 
     def _nearest(self, ids: torch.Tensor) -> torch.Tensor:
         inv = self._inverse_norms()
-        query = self.weight[ids].float() * inv[ids, None]
-        self._read(query)
+        query = self.weight[ids] if self.stream is None else self.stream.gather(self.weight, ids)
+        query = query.float() * inv[ids, None]
         best_val = query.new_empty(len(ids), 0)
         best_idx = torch.empty(len(ids), 0, dtype=torch.long)
         for v0 in range(0, self.vocab_size, self.vocab_chunk):
@@ -186,7 +186,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                 target_col = targets[s : s + chunk_tokens]
             else:
                 idx = subsets[s : s + chunk_tokens].long()
-                rows = _read(weight[idx], weight, idx.numel() * weight.shape[1], stream)  # [c, k, hidden]
+                rows = weight[idx] if stream is None else _gather(stream, weight, idx)  # [c, k, hidden]
                 z = torch.bmm(rows, h.unsqueeze(-1)).squeeze(-1)
                 if bias is not None:
                     z = z + bias[idx]
@@ -223,6 +223,12 @@ def _read(result: torch.Tensor, weight: torch.Tensor, numel: int, stream) -> tor
     if stream is not None:
         stream.touch(weight, numel * weight.element_size())
     return result
+
+
+def _gather(stream, weight: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """`weight[idx]`, the rows read by `stream` (from the weights file, not through its mapping)."""
+    ids, inverse = idx.reshape(-1).unique(return_inverse=True)
+    return stream.gather(weight, ids)[inverse].view(*idx.shape, weight.shape[1])
 
 
 def _vocab_product(p: torch.Tensor, weight: torch.Tensor, slices: tuple[torch.Tensor, ...], stream) -> torch.Tensor:

@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h> /* pread */
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define PACT_AVX512 1
@@ -580,4 +581,21 @@ int pact_nvfp4_linear(const pact_linear_t *w, const void *x, int64_t m, void *y,
     run(&j, n * (k / 16) * m >= 4096 ? nthreads : 1);
     free(buf);
     return 0;
+}
+
+/* Rows of a table in a file, read with pread (never through a mapping of it): out[i] = file[base + rows[i] * row_bytes,
+ * + row_bytes). Used by the memory savers' weight streaming (optimum_pact/memory/streaming.py) to gather the output
+ * head's / embedding's rows without the page faults that would map whole page-cache folios around each row. Returns
+ * the number of rows read in full: less than n means a short read (the file was cut) or an error (errno). */
+int64_t pact_pread_rows(int fd, const int64_t *rows, int64_t n, int64_t row_bytes, int64_t base, char *out) {
+    for (int64_t i = 0; i < n; i++) {
+        int64_t done = 0;
+        while (done < row_bytes) {
+            off_t at = (off_t)(base + rows[i] * row_bytes + done);
+            ssize_t got = pread(fd, out + i * row_bytes + done, (size_t)(row_bytes - done), at);
+            if (got <= 0) return i;
+            done += got;
+        }
+    }
+    return n;
 }
