@@ -269,7 +269,16 @@ def run_idle() -> dict:
 
 
 def run_arm(
-    arch: str, arm: str, seq: int, r: int, trainable: float, tile_size, offload_dir, fake: bool, cache_mib: float
+    arch: str,
+    arm: str,
+    seq: int,
+    r: int,
+    trainable: float,
+    tile_size,
+    offload_dir,
+    fake: bool,
+    cache_mib: float,
+    resident_only: bool = False,
 ) -> dict:
     import torch
 
@@ -322,6 +331,11 @@ def run_arm(
             result["stream_releases"] = savers.stream.releases
         savers.stop_streaming()  # the tracked step below also measures what a step touches of the mapping
         release_mapping(weights_file)
+    if resident_only:  # the headline only: no second (tracked) step
+        result["mapped_bytes"] = sum(t.numel() * t.element_size() for t in mapped)
+        if savers is not None:
+            savers.close()
+        return result
     model.zero_grad(set_to_none=True)
     _trim()
     with LiveTensorTracker([*module_tensors(model), ids, labels], mapped=mapped, breakdown=True) as tracker:
@@ -468,7 +482,7 @@ def measure(arch: str, seq: int, arms, fake_arms, args) -> dict:
     common = ["--r", str(args.r), "--trainable", str(args.trainable), "--seq", str(seq), "--arch", arch]
     if args.tile_size:
         common += ["--tile-size", str(args.tile_size)]
-    common += ["--cache-mib", str(args.cache_mib)]
+    common += ["--cache-mib", str(args.cache_mib)] + (["--resident-only"] if args.resident_only else [])
     if args.offload_dir:
         common += ["--offload-dir", args.offload_dir]
     idle = _child(["--idle"], args.malloc_mmap_threshold)["idle_rss_bytes"]
@@ -479,7 +493,7 @@ def measure(arch: str, seq: int, arms, fake_arms, args) -> dict:
         run = runs[arm]
         hwm = f"{(run['vmhwm_bytes'] - idle) / GIB:7.3f}" if "vmhwm_bytes" in run else "   fake"
         step_s = f"{run['step_s']:7.2f}" if "step_s" in run else "      -"
-        live, weights = run["live_peak_bytes"] / GIB, run["weights_bytes"] / GIB
+        live, weights = run.get("live_peak_bytes", float("nan")) / GIB, run.get("weights_bytes", float("nan")) / GIB
         touched = run.get("mapped_touched_bytes", 0) / GIB
         line = (f"VmHWM-idle {hwm} GiB, live peak {live:7.3f} GiB (weights {weights:.3f}) + mapped touched "
                 f"{touched:.3f}, step {step_s} s")  # fmt: skip
@@ -488,11 +502,11 @@ def measure(arch: str, seq: int, arms, fake_arms, args) -> dict:
 
 
 def summarize(arch: str, seq: int, runs: dict, idle: int, args) -> dict:
-    live = {arm: run["live_peak_bytes"] / GIB for arm, run in runs.items()}
+    live = {arm: run["live_peak_bytes"] / GIB for arm, run in runs.items() if "live_peak_bytes" in run}
     hwm = {arm: (run["vmhwm_bytes"] - idle) / GIB for arm, run in runs.items() if "vmhwm_bytes" in run}
     step_s = {arm: run["step_s"] for arm, run in runs.items() if "step_s" in run}
     touched = {arm: run.get("mapped_touched_bytes", 0) / GIB for arm, run in runs.items()}
-    live_mapped = {arm: live[arm] + touched[arm] for arm in runs}
+    live_mapped = {arm: live[arm] + touched[arm] for arm in live}
     base = "baseline"
     # the headline: resident memory as the kernel counts it (VmHWM above an idle process, mapped pages included);
     # a baseline too large to run is counted by its fake-tensor live peak, which is below its VmHWM (conservative)
@@ -518,7 +532,8 @@ def summarize(arch: str, seq: int, runs: dict, idle: int, args) -> dict:
         if "mask" in step_s and "mask_unstreamed" in step_s else None,
         "cpu": _cpu(),
         "modes": {arm: run["mode"] for arm, run in runs.items()},
-        "live_peak_gib": live, "weights_gib": {arm: run["weights_bytes"] / GIB for arm, run in runs.items()},
+        "live_peak_gib": live,
+        "weights_gib": {arm: run["weights_bytes"] / GIB for arm, run in runs.items() if "weights_bytes" in run},
         "mapped_gib": {arm: run.get("mapped_bytes", 0) / GIB for arm, run in runs.items()},
         "vmhwm_minus_idle_gib": hwm, "idle_rss_gib": idle / GIB, "step_s": step_s,
         "step_growth_gib": {arm: (run["vmhwm_bytes"] - run["rss_before_bytes"]) / GIB
@@ -577,6 +592,10 @@ def main() -> None:
         "--malloc-mmap-threshold", type=int, default=65536, help="glibc MALLOC_MMAP_THRESHOLD_ for every arm process "
         "(0: glibc's default, which raises the threshold up to 32 MiB and keeps freed tensors in the heap)",
     )  # fmt: skip
+    parser.add_argument(
+        "--resident-only", action="store_true", help="one (timed) step per real arm: the resident figure only, no "
+        "tracked step for the live peak (for sizes where a step takes long)",
+    )  # fmt: skip
     parser.add_argument("--quality", action="store_true", help="the quality guard: SmolLM2 fine-tune, both stacks")
     parser.add_argument("--quality-steps", type=int, default=60)
     parser.add_argument("--quality-seeds", type=int, default=3, help="seeds (data order, LoRA init) averaged")
@@ -614,7 +633,7 @@ def main() -> None:
     if args.arm:
         with tempfile.TemporaryDirectory(prefix="bench-memory-", dir=args.offload_dir) as tmp:
             print(json.dumps(run_arm(args.arch, args.arm, args.seq, args.r, args.trainable, args.tile_size, tmp,
-                                     args.fake, args.cache_mib)))  # fmt: skip
+                                     args.fake, args.cache_mib, args.resident_only)))  # fmt: skip
         return
     arms = [a for a in args.arms.split(",") if a]
     fake_arms = [a for a in args.fake_arms.split(",") if a]
