@@ -83,6 +83,8 @@ import sys
 import tempfile
 import time
 
+from bench_train_step import cpu_model  # lscpu's model, AMX and AVX512-BF16 (every timing says its CPU)
+
 ARMS = ("baseline", "nvfp4", "checkpoint", "subset", "mask", "exact", "mask_unstreamed")
 SAVERS = {  # MemorySavers options per arm (None: no savers); mapped weights are streamed unless said otherwise
     "baseline": None,
@@ -530,7 +532,7 @@ def summarize(arch: str, seq: int, runs: dict, idle: int, args) -> dict:
                                      for arm, run in runs.items() if "mapped_resident_peak_bytes" in run},
         "streaming_step_time_ratio": step_s["mask"] / step_s["mask_unstreamed"]
         if "mask" in step_s and "mask_unstreamed" in step_s else None,
-        "cpu": _cpu(),
+        "cpu": cpu_model(),
         "modes": {arm: run["mode"] for arm, run in runs.items()},
         "live_peak_gib": live,
         "weights_gib": {arm: run["weights_bytes"] / GIB for arm, run in runs.items() if "weights_bytes" in run},
@@ -547,20 +549,6 @@ def summarize(arch: str, seq: int, runs: dict, idle: int, args) -> dict:
               "peak_by_op_mib", "stream_releases")  # fmt: skip
     out["details"] = {arm: {k: run[k] for k in extras if k in run} for arm, run in runs.items()}
     return out
-
-
-def _cpu() -> dict:
-    """lscpu's model name and whether AMX / AVX512-BF16 are there (every timing says which CPU it ran on)."""
-    model, flags = "", ""
-    try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-            if line.startswith("Model name:"):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("Flags:"):
-                flags = line
-    except OSError:
-        pass
-    return {"model": model, "amx": "amx_tile" in flags, "avx512_bf16": "avx512_bf16" in flags}
 
 
 def validate_fake(arch: str, seq: int, args) -> dict:

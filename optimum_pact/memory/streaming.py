@@ -4,17 +4,19 @@
 recomputation, input gradient), so without more they all become resident (RssFile, and so VmHWM) and stay so.
 `WeightStream` hands each touched range back to the kernel as soon as its use is over:
 
-- every `FrozenLinear` releases its packed weight (`madvise(MADV_DONTNEED)`) after each product and asks the kernel
-  to read ahead (`MADV_WILLNEED`) the next layer's, in the order the pass runs (forward: the next layer; input
-  gradient: the one before);
-- the embedding / output-head table is released after the embedding lookup, after every `window_bytes` of rows the
-  loss gathers (`touch`), and as the nearest-token index for the subset softmax reads it;
-- anything else mapped is released with the rest by `release_all()` (MemorySavers calls it around each step).
+- after each `FrozenLinear` product the mapping is released (`madvise(MADV_DONTNEED)`) and the kernel is asked to
+  read ahead (`MADV_WILLNEED`) the next layer's packed weight, in the order the pass runs (forward: the next layer;
+  input gradient: the one before);
+- contiguous slices of the output-head / embedding table (the full-vocabulary loss, the nearest-token index) are
+  released after every `window_bytes` read (`touch`); rows gathered from all over the table (the embedding lookup,
+  the subset softmax, the index's query rows) are read from the file with pread (`gather`), never through the mapping;
+- anything else mapped is released with the rest by `release_all()` (MemorySavers calls it before each step).
 
-So the process holds at most one layer's packed weight and `window_bytes` of the table at a time; `peak_held_bytes`
-is that bound as it was reached. Exact: the mapping is private, file-backed and never written, so a released page
-reads back the same bytes from the page cache (or the disk, if the kernel dropped it): losses and gradients are
-bit for bit those of the same step without streaming (tests/test_streaming.py).
+So the process holds at most one layer's packed weight and `window_bytes` of the table at a time (plus the page-cache
+folios around them, see `release_all`); `peak_resident_bytes` is what the kernel showed, sampled. Exact: the
+mapping is private, file-backed and never written, so a released page reads back the same bytes from the page cache
+(or the disk, if the kernel dropped it): losses and gradients are bit for bit those of the same step without
+streaming (tests/test_streaming.py).
 
 Releasing is only ever done on ranges checked to lie in the weights file's mapping (`/proc/self/maps`, by inode):
 `MADV_DONTNEED` on anonymous memory would zero it. Before each product the file's size is checked (`fstat` on the
@@ -85,6 +87,14 @@ def resident_bytes(start: int, end: int) -> int:
     return int((entries < 0).sum()) * PAGE  # bit 63: present
 
 
+def _madvise(lo: int, hi: int, advice: int, path: str) -> None:
+    """madvise the pages of [lo, hi) (rounded out to pages) of the mapping of the weights file `path`."""
+    lo, hi = _pages(lo, hi)
+    if _LIBC.madvise(lo, hi - lo, advice) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"madvise({advice}) on the mapping of {path} failed: {os.strerror(err)}")
+
+
 def mapping_resident_bytes(weights_file: WeightsFile) -> int:
     """Bytes of `weights_file` resident in this process now (every mapping of it)."""
     return sum(resident_bytes(lo, hi) for lo, hi, _ in file_mappings(weights_file.device, weights_file.inode))
@@ -93,10 +103,7 @@ def mapping_resident_bytes(weights_file: WeightsFile) -> int:
 def release_mapping(weights_file: WeightsFile) -> None:
     """Drop every resident page of this process's mappings of `weights_file` (they read back on use)."""
     for lo, hi, _ in file_mappings(weights_file.device, weights_file.inode):
-        lo, hi = _pages(lo, hi)
-        if _LIBC.madvise(lo, hi - lo, mmap.MADV_DONTNEED) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"madvise(MADV_DONTNEED) on {weights_file.path} failed: {os.strerror(err)}")
+        _madvise(lo, hi, mmap.MADV_DONTNEED, weights_file.path)
 
 
 class _LayerStream:
@@ -110,11 +117,9 @@ class _LayerStream:
 
     def before(self, kind: str) -> None:
         self.stream.weights_file.check()
-        self.stream.hold(self.nbytes)
 
     def after(self, kind: str) -> None:
         self.stream.release_all()
-        self.stream.hold(-self.nbytes)
         ahead = self.next if kind == "forward" else self.previous
         if ahead is not None:
             for lo, hi in ahead.ranges:
@@ -130,9 +135,7 @@ class WeightStream:
         window_bytes: table rows touched between two releases of the table.
         sample_every: read the mapping's resident bytes (/proc/self/pagemap, ~0.3 ms for 170 MB) before every
             this many releases, for `peak_resident_bytes`: the largest resident share of the weights file seen.
-    `peak_held_bytes` is the bound the stream keeps (layer bytes in use plus table bytes read since the last
-    release); `peak_resident_bytes` what the kernel showed, sampled. Call `close()` to take the hooks off (the
-    weights stay mapped).
+    Call `close()` to take the hooks off (the weights stay mapped).
     """
 
     def __init__(
@@ -152,12 +155,10 @@ class WeightStream:
         self._offsets = [offset for _, _, offset in found]
         if not self.mappings:
             raise RuntimeError(f"The weights file {weights_file.path} is not mapped in this process.")
-        self.held_bytes = self.peak_held_bytes = self.releases = self.peak_resident_bytes = 0
+        self.releases = self.peak_resident_bytes = 0
         self.sample_every = max(1, int(sample_every))
-        self.mapped_bytes = sum(hi - lo for lo, hi in self.mappings)
         self._touched = 0
         self._layers: list[tuple[FrozenLinear, _LayerStream]] = []
-        self._hooks = []
         previous = None
         for module in model.modules():
             if not isinstance(module, FrozenLinear):
@@ -184,28 +185,24 @@ class WeightStream:
     def layers(self) -> int:
         return len(self._layers)
 
+    def _mapping_index(self, lo: int, hi: int) -> int | None:
+        """Which of the weights file's mappings holds [lo, hi) whole (None: none does)."""
+        return next((i for i, (start, end) in enumerate(self.mappings) if start <= lo and hi <= end), None)
+
     def _inside(self, lo: int, hi: int) -> bool:
-        return any(start <= lo and hi <= end for start, end in self.mappings)
+        return self._mapping_index(lo, hi) is not None
 
     def advise(self, lo: int, hi: int, advice: int) -> None:
         """madvise the pages of [lo, hi), which must lie in the weights file's mapping."""
         if not self._inside(lo, hi):
             raise ValueError(f"[{lo:#x}, {hi:#x}) is not in the mapping of {self.weights_file.path}; not released.")
-        lo, hi = _pages(lo, hi)
-        if _LIBC.madvise(lo, hi - lo, advice) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"madvise({advice}) on the weights mapping failed: {os.strerror(err)}")
-
-    def hold(self, nbytes: int) -> None:
-        self.held_bytes += nbytes
-        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
+        _madvise(lo, hi, advice, self.weights_file.path)
 
     def touch(self, t: torch.Tensor, nbytes: int) -> None:
         """`nbytes` of `t` (an output-head / embedding table) were just read: release once `window_bytes` were
         read since the last release."""
         self.weights_file.check()
         self._touched += nbytes
-        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes + self._touched)
         if self._touched >= self.window_bytes:
             self.release_all()
 
@@ -242,7 +239,7 @@ class WeightStream:
         through the mapping: a page fault maps the page-cache folio around it (up to 2 MiB), so rows gathered from
         all over a table would map most of it. Other tensors: `table[ids]`."""
         lo, hi = byte_range(table)
-        index = next((i for i, (start, end) in enumerate(self.mappings) if start <= lo and hi <= end), None)
+        index = self._mapping_index(lo, hi)
         if index is None or not table.is_contiguous() or table.dim() != 2:
             return table[ids]
         self.weights_file.check()
@@ -261,9 +258,6 @@ class WeightStream:
             if module.stream is layer:
                 module.stream = None
         self._layers = []
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
 
 
 __all__ = [

@@ -90,10 +90,6 @@ class TokenNeighbours:
         self._rows: dict[int, torch.Tensor] = {}
         self.stream = None  # a WeightStream: told of every chunk of the table read (memory savers set it)
 
-    def _read(self, rows: torch.Tensor) -> None:
-        if self.stream is not None:
-            self.stream.touch(self.weight, rows.numel() * rows.element_size())
-
     @property
     def vocab_size(self) -> int:
         return self.weight.shape[0]
@@ -102,8 +98,7 @@ class TokenNeighbours:
         if self._inv_norm is None:
             norms = []
             for chunk in self.weight.split(self.vocab_chunk):
-                norms.append(chunk.float().norm(dim=-1))
-                self._read(chunk)
+                norms.append(_read(chunk.float().norm(dim=-1), self.weight, chunk.numel(), self.stream))
             self._inv_norm = 1.0 / torch.cat(norms).clamp_min(1e-12)
         return self._inv_norm
 
@@ -123,8 +118,9 @@ class TokenNeighbours:
         best_val = query.new_empty(len(ids), 0)
         best_idx = torch.empty(len(ids), 0, dtype=torch.long)
         for v0 in range(0, self.vocab_size, self.vocab_chunk):
-            rows = self.weight[v0 : v0 + self.vocab_chunk].float() * inv[v0 : v0 + self.vocab_chunk, None]
-            self._read(self.weight[v0 : v0 + self.vocab_chunk])
+            chunk = self.weight[v0 : v0 + self.vocab_chunk]
+            rows = chunk.float() * inv[v0 : v0 + len(chunk), None]
+            _read(rows, self.weight, chunk.numel(), self.stream)
             sims = query @ rows.t()
             own = (ids >= v0) & (ids < v0 + rows.shape[0])
             sims[own.nonzero().flatten(), ids[own] - v0] = float("inf")  # the target itself comes first

@@ -317,7 +317,7 @@ def pread_rows(fd: int, base: int, rows: torch.Tensor, out: torch.Tensor) -> int
     file is shorter). The C kernel when built, else a Python loop (~4 us a row)."""
     rows = rows.to(torch.int64).contiguous()
     row_bytes = out[0].numel() * out.element_size() if len(out) else 0
-    lib = _native() if os.environ.get("PACT_DISABLE_NATIVE", "") in ("", "0") else None
+    lib = _native() if native_available() else None
     if lib is not None:
         return int(lib.pact_pread_rows(fd, rows.data_ptr(), len(rows), row_bytes, base, out.data_ptr()))
     view = memoryview(out.view(torch.uint8).numpy()).cast("B") if len(out) else memoryview(b"")
