@@ -11,6 +11,7 @@ from torch import nn
 
 from ..backends import Backend, get_backend
 from ..nvfp4 import NVFP4Tensor, quantize
+from ..pages import release_clean_pages
 from ..precision.plan import PRECISIONS
 
 PACKED_NAMES = ("weight", "weight_scale", "weight_scale_2")  # ModelOpt checkpoint names
@@ -138,6 +139,10 @@ class FrozenLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, backend: Backend | None = None, precision: str = "nvfp4") -> FrozenLinear:
         """Quantize `linear.weight` to NVFP4 (or cast it to 16 bits for `precision="fp16"`); no other copy is kept.
 
+        When `linear.weight` is a view of a mapped checkpoint file (transformers maps one whose dtype matches the
+        model's), the pages quantization read are handed back (`optimum_pact.pages.release_clean_pages`): unwritten
+        file pages read back the same bytes if anything uses the weight again.
+
         `backend` is the model's one backend instance (None: a new torch backend, for a layer used alone).
         """
         layer = cls.empty_like(linear, backend=backend, precision=precision)
@@ -147,6 +152,7 @@ class FrozenLinear(nn.Module):
             layer.load_nvfp4(quantize(linear.weight.detach()))
         if linear.bias is not None:
             layer.bias.data.copy_(linear.bias.detach())
+        release_clean_pages(linear.weight)  # a view of a mapped checkpoint would stay resident: see optimum_pact.pages
         return layer
 
     @property

@@ -26,10 +26,8 @@ page fault would raise. Linux only (madvise, /proc); elsewhere MemorySavers maps
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
-import sys
 
 import torch
 from torch import nn
@@ -37,30 +35,14 @@ from torch import nn
 from ..dataflow import FrozenLinear
 from ..dataflow.linear import PACKED_NAMES
 from ..nvfp4.kernels import pread_rows
+from ..pages import PAGE, byte_range, madvise, pages_available, resident_bytes
 from .weights import WeightsFile, WeightsFileError
 
-PAGE = mmap.PAGESIZE
 DEFAULT_WINDOW_BYTES = 16 * 2**20  # output-head / embedding rows touched between two releases
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-if _LIBC is not None:
-    _LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    _LIBC.madvise.restype = ctypes.c_int
 
 
 def streaming_available() -> bool:
-    return _LIBC is not None and os.path.exists("/proc/self/maps")
-
-
-def byte_range(t: torch.Tensor) -> tuple[int, int]:
-    """[start, end) addresses of the bytes `t` views (any strides)."""
-    if t.numel() == 0:
-        return t.data_ptr(), t.data_ptr()
-    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-    return t.data_ptr(), t.data_ptr() + span * t.element_size()
-
-
-def _pages(start: int, end: int) -> tuple[int, int]:
-    return start & ~(PAGE - 1), (end + PAGE - 1) & ~(PAGE - 1)
+    return pages_available() and os.path.exists("/proc/self/maps")
 
 
 def file_mappings(device: int, inode: int) -> list[tuple[int, int, int]]:
@@ -76,23 +58,9 @@ def file_mappings(device: int, inode: int) -> list[tuple[int, int, int]]:
     return out
 
 
-def resident_bytes(start: int, end: int) -> int:
-    """Bytes of [start, end) resident in this process (present bits of /proc/self/pagemap)."""
-    lo, hi = _pages(start, end)
-    if hi == lo:
-        return 0
-    with open("/proc/self/pagemap", "rb") as f:
-        f.seek(lo // PAGE * 8)
-        entries = torch.frombuffer(bytearray(f.read((hi - lo) // PAGE * 8)), dtype=torch.int64)
-    return int((entries < 0).sum()) * PAGE  # bit 63: present
-
-
 def _madvise(lo: int, hi: int, advice: int, path: str) -> None:
     """madvise the pages of [lo, hi) (rounded out to pages) of the mapping of the weights file `path`."""
-    lo, hi = _pages(lo, hi)
-    if _LIBC.madvise(lo, hi - lo, advice) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"madvise({advice}) on the mapping of {path} failed: {os.strerror(err)}")
+    madvise(lo, hi, advice, f"the mapping of {path}")
 
 
 def mapping_resident_bytes(weights_file: WeightsFile) -> int:
