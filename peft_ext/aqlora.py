@@ -5,8 +5,10 @@ So with `protect_fraction > 0` or `adapt="speed"`, `dispatch_pact` wraps each ta
 registers it here; when peft has injected every layer it activates the adapter on all of them
 (`PactLoraLinear.set_adapter`), and the first such call finalizes the group:
 
-1. rank the registered linears by `rank_by` reconstruction error (or take `PactConfig.protected_modules` as saved)
-   and keep the worst `protect_fraction` 16-bit (`FrozenLinear(precision="fp16")`: no dequantization);
+1. take `PactConfig.protected_modules` (as saved, or as `PactConfig.with_calibration` ranked them by sensitivity), or
+   else rank the registered linears by reconstruction error (`rank_by` "nvfp4" or "nf4"; "auto" without a
+   calibration batch is "nvfp4") and keep the worst `protect_fraction` 16-bit (`FrozenLinear(precision="fp16")`:
+   no dequantization);
 2. quantize every other one to NVFP4 (`FrozenLinear`), honouring a precision plan;
 3. speed setting: delete the adapters below the top `adapt_top_blocks` blocks (their linears stay NVFP4) and, at
    the model's first forward, cut the backward pass below the lowest adapted block (`stop_backward_below`, which
@@ -27,7 +29,7 @@ from optimum_pact.nvfp4 import BLOCK_SIZE
 
 from .backward_stop import stop_backward_below
 from .blocks import block_index, default_top_blocks
-from .ranking import choose_protected, reconstruction_error
+from .ranking import choose_protected, error_format, reconstruction_error
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +75,7 @@ class PendingLayers:
             lowest = next(iter(self.layers.values()))
             _stop_backward_at_first_forward(lowest, cutoff)
         logger.info(
-            "AQLoRA: %d of %d linears kept 16-bit (%s error)%s.",
+            "AQLoRA: %d of %d linears kept 16-bit (ranked by %s)%s.",
             len(protected),
             len(self.layers),
             config.rank_by,
@@ -92,8 +94,14 @@ class PendingLayers:
                     "Use the list saved with this model's adapter, or protected_modules=None to rank again."
                 )
             return list(config.protected_modules)
+        if config.rank_by == "sensitivity":
+            raise ValueError(
+                "PactConfig(rank_by='sensitivity') ranks layers on a calibration batch, and get_peft_model has none: "
+                "call `config = config.with_calibration(model, batch)` first (PactTrainer and `pact finetune` do it "
+                "with the first training batch), or choose rank_by='nvfp4' (the weights alone)."
+            )
         ranking = [
-            (name, reconstruction_error(layer.get_base_layer().weight, config.rank_by))
+            (name, reconstruction_error(layer.get_base_layer().weight, error_format(config.rank_by)))
             for name, layer in self.layers.items()
             if layer.get_base_layer().in_features % BLOCK_SIZE == 0
         ]

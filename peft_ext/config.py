@@ -78,17 +78,41 @@ class PactConfig(LoraConfig, PactOptions):
 
         Runs the gradient-sensitivity probe (`peft_ext.precision.probe_precision`) and keeps in fp16 the layers
         whose NVFP4 weights move the adapter gradients most, as long as the extra memory stays within
-        `budget_mib`. `model` is returned to its original state.
+        `budget_mib`. `model` is returned to its original state. (`with_calibration` with this budget.)
         """
+        budgeted = self._replace(precision_budget_mib=budget_mib, precision_plan=None)
+        return budgeted.with_calibration(model, batch, **probe_options)
+
+    def with_calibration(self, model: nn.Module, batch: dict, **probe_options) -> PactConfig:
+        """A copy of this config with what needs a calibration `batch` measured on `model` (unquantized, no adapters).
+
+        One run of the gradient-sensitivity probe (`peft_ext.precision.probe_precision`: per targeted linear, how much
+        its NVFP4 weight moves all adapter gradients) serves both users of it: the precision plan of
+        `precision_budget_mib` (the most sensitive layers per byte in fp16 within the budget) and, with
+        `rank_by="sensitivity"` or `"auto"`, AQLoRA's protected list (the `protect_fraction` most sensitive layers).
+        `model` is returned to its original state; a config that uses no batch is returned as it is.
+        """
+        if not self.uses_calibration:
+            return self
         from optimum_pact.precision import plan_precision
 
         from .precision import probe_precision
+        from .ranking import choose_protected
 
         sensitivities = probe_precision(model, batch, self, **probe_options)
-        plan = plan_precision(sensitivities, budget_mib)
-        planned = dataclasses.replace(self, precision_plan=plan, precision_budget_mib=budget_mib)
-        planned.__dict__["_pact_backend"] = self.__dict__["_pact_backend"]  # the same model: the same backend
-        return planned
+        changes = {}
+        if self._plan_pending():
+            changes["precision_plan"] = plan_precision(sensitivities, self.precision_budget_mib)
+        if self._ranking_pending():
+            ranking = [(s.name, s.score) for s in sensitivities]
+            changes["protected_modules"] = choose_protected(ranking, self.protect_fraction)
+        return self._replace(**changes)
+
+    def _replace(self, **changes) -> PactConfig:
+        """`dataclasses.replace` that keeps this config's backend (the same model: the same backend)."""
+        copy = dataclasses.replace(self, **changes)
+        copy.__dict__["_pact_backend"] = self.__dict__["_pact_backend"]
+        return copy
 
     @classmethod
     def pact_field_names(cls) -> tuple[str, ...]:

@@ -91,12 +91,13 @@ def _rewrap_lora(
     config = PactConfig(**values, **dataclasses.asdict(options))
     weights = get_peft_model_state_dict(model, adapter_name=adapter)
     base = model.unload()
-    if config.precision_budget_mib is not None:
-        if batch is None:
-            raise ValueError(
-                "a precision budget needs a calibration batch (PactTrainer takes it from the train data)."
-            )
-        config = config.with_precision_plan(base, batch, config.precision_budget_mib)
+    if config.needs_calibration and batch is None:
+        raise ValueError(
+            "a precision budget or rank_by='sensitivity' needs a calibration batch (PactTrainer takes it from the "
+            "train data)."
+        )
+    if batch is not None:
+        config = config.with_calibration(base, batch)  # returned as it is when it uses no batch
     wrapped = get_peft_model(base, config, adapter_name=adapter)
     loaded = set_peft_model_state_dict(wrapped, weights, adapter_name=adapter)
     missing = [key for key in loaded.missing_keys if "lora_" in key]
@@ -106,8 +107,9 @@ def _rewrap_lora(
 
 
 def _quantize_bare(model: nn.Module, options: PactOptions, prefix: str) -> nn.Module:
-    if options.adapt == "speed" or options.precision_budget_mib is not None:
-        name = "adapt='speed'" if options.adapt == "speed" else "precision_budget_mib"
+    if options.adapt == "speed" or options.needs_calibration:  # the probe measures adapter gradients
+        name = "precision_budget_mib" if options.precision_budget_mib is not None else "rank_by='sensitivity'"
+        name = "adapt='speed'" if options.adapt == "speed" else name
         raise ValueError(
             f"{prefix}{name} needs LoRA adapters, and this model has none: wrap it with peft first "
             "(get_peft_model with LoraConfig or PactConfig)."

@@ -16,7 +16,7 @@ from optimum_pact.backends import BACKEND_CHOICES
 from optimum_pact.backends.options import check_backend_choice
 from optimum_pact.errors import OptionError
 
-from .ranking import RANK_BY, check_protect_fraction, check_rank_by
+from .ranking import CALIBRATED, RANK_BY, check_protect_fraction, check_rank_by
 
 ADAPT_CHOICES = ("quality", "speed")
 
@@ -51,7 +51,7 @@ class PactOptions:
         default=None,
         metadata={
             "help": "Probe gradient sensitivity on a calibration batch and keep the most sensitive linears 16-bit "
-            "within this many MiB above all-NVFP4 (PactConfig.with_precision_plan; the plan is saved)."
+            "within this many MiB above all-NVFP4 (PactConfig.with_calibration; the plan is saved)."
         },
     )
     protect_fraction: float = field(
@@ -62,8 +62,14 @@ class PactOptions:
         },
     )
     rank_by: str = field(
-        default="nvfp4",
-        metadata={"help": "AQLoRA ranking format: nvfp4 (PACT's base) or nf4 (bitsandbytes').", "choices": RANK_BY},
+        default="auto",
+        metadata={
+            "help": "AQLoRA ranking: sensitivity (how much each layer's NVFP4 weight moves the adapter gradients on a "
+            "calibration batch: PactConfig.with_calibration; PactTrainer and pact finetune use the first training "
+            "batch), nvfp4 or nf4 reconstruction error (the weights alone), or auto: sensitivity where a "
+            "calibration batch is at hand, else nvfp4.",
+            "choices": RANK_BY,
+        },
     )
     adapt: str = field(
         default="quality",
@@ -79,6 +85,27 @@ class PactOptions:
 
     def __post_init__(self):
         check_pact_options(self)
+
+    @property
+    def needs_calibration(self) -> bool:
+        """True while a setting cannot be built without a calibration batch: a precision budget without its plan, or
+        AQLoRA's `rank_by="sensitivity"` without its protected list (PactConfig's `precision_plan`,
+        `protected_modules`)."""
+        return self._plan_pending() or (self._ranking_pending() and self.rank_by == "sensitivity")
+
+    @property
+    def uses_calibration(self) -> bool:
+        """True when a calibration batch changes what these options build: `needs_calibration`, or `rank_by="auto"`
+        without its protected list (sensitivity with a batch, NVFP4 error without). PactTrainer and `pact finetune`
+        calibrate whenever this holds (`PactConfig.with_calibration`)."""
+        return self._plan_pending() or self._ranking_pending()
+
+    def _plan_pending(self) -> bool:
+        return self.precision_budget_mib is not None and getattr(self, "precision_plan", None) is None
+
+    def _ranking_pending(self) -> bool:
+        protected = getattr(self, "protected_modules", None)
+        return self.rank_by in CALIBRATED and self.protect_fraction > 0 and protected is None
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import LoraLayer
 from torch import nn
@@ -17,12 +18,16 @@ def probe_precision(model: nn.Module, batch: dict, config: LoraConfig, **options
 
     The probe wraps `model` with plain LoRA adapters of `config`'s LoRA settings (on the full-precision weights),
     runs `optimum_pact.precision.probe_sensitivity` and unloads the adapters again, leaving `model` as it was.
-    `options` go to `probe_sensitivity` (e.g. `adapter_grads=False` for the one-pass local measure).
+    `options` go to `probe_sensitivity` (e.g. `adapter_grads=False` for the one-pass local measure). The adapters
+    are initialized from seed 0 without touching the caller's random state, so the scores depend on the model and
+    the batch alone.
     """
     lora_fields = {f.name for f in dataclasses.fields(LoraConfig) if f.init}
     lora = LoraConfig(**{k: v for k, v in config.__dict__.items() if k in lora_fields})
     requires_grad = {name: p.requires_grad for name, p in model.named_parameters()}
-    peft_model = get_peft_model(model, lora)
+    with torch.random.fork_rng(devices=[]):  # the adapters' random init, seeded: the same batch, the same scores
+        torch.manual_seed(0)
+        peft_model = get_peft_model(model, lora)
     try:
         layers = {
             name: module.get_base_layer()

@@ -1,8 +1,11 @@
-"""AQLoRA's ranking: decoder linears by 4-bit reconstruction error, and the worst few to keep 16-bit.
+"""AQLoRA's ranking: which decoder linears to keep 16-bit, by 4-bit reconstruction error or by gradient sensitivity.
 
-One CPU pass computes ||W - deq(q(W))||_F / ||W||_F per decoder linear, for NF4 (bitsandbytes' codebook, 64-element
-blocks, fp32 absmax, no double quant) or NVFP4 (PACT's base format). No data, no search: the list depends on the
-weights alone and ties are broken by name.
+The error rankings ("nf4", "nvfp4") take one CPU pass computing ||W - deq(q(W))||_F / ||W||_F per decoder linear, for
+NF4 (bitsandbytes' codebook, 64-element blocks, fp32 absmax, no double quant) or NVFP4 (PACT's base format): no data,
+no search, the list depends on the weights alone and ties are broken by name. "sensitivity" ranks by the precision
+probe's score (how much the layer's NVFP4 weight moves all adapter gradients, `optimum_pact.precision`), which needs
+a calibration batch: `PactConfig.with_calibration(model, batch)` measures it (PactTrainer and `pact finetune` take
+the first training batch).
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ from optimum_pact.nvfp4 import BLOCK_SIZE, fake_quantize, tensor_scale
 
 from .blocks import decoder_linears
 
-RANK_BY = ("nf4", "nvfp4")
+ERROR_FORMATS = ("nf4", "nvfp4")  # rankings by reconstruction error: the weights alone
+RANK_BY = ("auto", *ERROR_FORMATS, "sensitivity")
+CALIBRATED = ("auto", "sensitivity")  # rankings that use a calibration batch ("auto": when one is at hand)
 NF4_BLOCK_SIZE = 64  # bitsandbytes' default blocksize for quantize_4bit / Linear4bit
 # bitsandbytes' NF4 codebook (QLoRA paper, Appendix E), in code order; codes are sorted ascending.
 NF4_VALUES = (
@@ -102,16 +107,28 @@ def nvfp4_dequantized(weight: torch.Tensor) -> torch.Tensor:
 def check_rank_by(rank_by: str, option: str = "rank_by") -> None:
     """One of `RANK_BY`, else a clear error naming `option`."""
     if rank_by not in RANK_BY:
-        raise OptionError(option, f"{option}={rank_by!r} is not a known format; choose one of {', '.join(RANK_BY)}.")
+        raise OptionError(option, f"{option}={rank_by!r} is not a known ranking; choose one of {', '.join(RANK_BY)}.")
+
+
+def error_format(rank_by: str) -> str:
+    """The reconstruction-error format `rank_by` ranks by from the weights alone: "auto" (without a calibration batch)
+    is "nvfp4"; "sensitivity" has none, a clear error."""
+    check_rank_by(rank_by)
+    if rank_by == "sensitivity":
+        raise ValueError(
+            f"rank_by={rank_by!r} needs a calibration batch, not the weights alone: rank with "
+            "PactConfig.with_calibration(model, batch) (PactTrainer and `pact finetune` use the first training batch)."
+        )
+    return "nvfp4" if rank_by == "auto" else rank_by
 
 
 def reconstruction_error(weight: torch.Tensor, rank_by: str = "nvfp4") -> float:
-    """||W - deq(q(W))||_F / ||W||_F for NF4 (`rank_by="nf4"`) or NVFP4 (`"nvfp4"`); 0.0 for an all-zero weight.
+    """||W - deq(q(W))||_F / ||W||_F for NF4 (`rank_by="nf4"`) or NVFP4 (`"nvfp4"`, `"auto"`); 0.0 for a zero weight.
 
     Works through W in chunks of rows (about `CHUNK_ELEMENTS` at a time) so a 0.5B model ranks in seconds and
     never holds more than a few copies of one chunk; sums are accumulated in float64.
     """
-    check_rank_by(rank_by)
+    rank_by = error_format(rank_by)
     if weight.dim() != 2 or not weight.dtype.is_floating_point:
         raise ValueError(
             f"reconstruction_error needs a 2-D floating weight; got {weight.dtype} {tuple(weight.shape)}."
@@ -135,8 +152,11 @@ def reconstruction_error(weight: torch.Tensor, rank_by: str = "nvfp4") -> float:
 
 
 def rank_layers(model: nn.Module, rank_by: str = "nvfp4") -> list[tuple[str, float]]:
-    """(name, relative reconstruction error) for every decoder linear, largest error first, ties by name."""
-    check_rank_by(rank_by)
+    """(name, relative reconstruction error) for every decoder linear, largest error first, ties by name.
+
+    Only the error rankings work from the weights alone; `rank_by="sensitivity"` is `PactConfig.with_calibration`.
+    """
+    rank_by = error_format(rank_by)
     errors = [(name, reconstruction_error(layer.weight, rank_by)) for name, layer in decoder_linears(model).items()]
     return sorted(errors, key=lambda item: (-item[1], item[0]))
 

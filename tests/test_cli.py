@@ -91,6 +91,16 @@ def test_main_job_with_aqlora_speed(small_model, tmp_path):
     assert json.loads((out / "adapter" / "adapter_config.json").read_text())["layers_to_transform"] == [1]
 
 
+def test_main_job_ranks_aqlora_by_sensitivity_on_its_first_batch(small_model, tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["finetune", "--model", str(small_model), "--output", str(out), "--max-steps", "2", "--dtype", "float32"]
+    assert main([*args, "--protect-fraction", "0.2", "--rank-by", "sensitivity"]) == 0
+    assert "AQLoRA: 3 linears kept 16-bit, ranked by gradient sensitivity" in capsys.readouterr().err
+    pact = json.loads((out / "adapter" / "pact_config.json").read_text())
+    assert pact["rank_by"] == "sensitivity" and len(pact["protected_modules"]) == 3
+    assert json.loads((out / "summary.json").read_text())["fp16_linears"] == 3
+
+
 def test_bad_aqlora_option_is_a_clear_cli_error(capsys):
     assert main(["finetune", "--protect-fraction", "1.5"]) == 2
     assert "--protect-fraction: pact_protect_fraction=1.5 is outside the valid range [0, 1]" in capsys.readouterr().err

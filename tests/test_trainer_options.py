@@ -45,7 +45,7 @@ def _train(model, args, out):
 
 def test_plain_lora_model_gets_nvfp4_aqlora_and_speed_from_the_arguments_alone(tmp_path):
     lora = LoraConfig(r=4, target_modules="all-linear")
-    options = {"protect_fraction": 0.2, "adapt": "speed"}
+    options = {"protect_fraction": 0.2, "adapt": "speed", "rank_by": "nvfp4"}  # ("auto" would calibrate: below)
     by_args = _train(
         get_peft_model(tiny_model(num_hidden_layers=LAYERS), lora),
         _args(tmp_path / "a", pact_backend="torch", **{f"pact_{k}": v for k, v in options.items()}),

@@ -72,16 +72,18 @@ class PactTrainer(Trainer):
     @staticmethod
     def _apply_model_options(model, args: PactTrainingArguments, pargs: tuple, kwargs: dict):
         """The model-side `pact_` options applied to `model` (peft_ext.conversion), before the Trainer sees it."""
-        given = args.pact_options_set()
+        given, options = args.pact_options_set(), args.pact_options()
         batch = None
-        if args.pact_precision_budget_mib is not None:  # a calibration batch: the first of the training data
+        if options.uses_calibration:  # a calibration batch: the first of the training data
             bound = inspect.signature(Trainer.__init__).bind_partial(None, model, args, *pargs, **kwargs).arguments
             data, collate = bound.get("train_dataset"), bound.get("data_collator") or default_data_collator
-            if data is None:
-                raise ValueError("pact_precision_budget_mib needs a train_dataset to calibrate on.")
-            batch = collate([data[i] for i in range(min(len(data), args.per_device_train_batch_size))])
+            if data is not None:
+                batch = collate([data[i] for i in range(min(len(data), args.per_device_train_batch_size))])
+            elif options.needs_calibration:  # rank_by="auto" ranks by NVFP4 error without one
+                option = "pact_precision_budget_mib" if args.pact_precision_budget_mib is not None else "pact_rank_by"
+                raise ValueError(f"{option} needs a train_dataset to calibrate on (its first batch).")
         convert = bool(given) or args.pact_nvfp4_base
-        return apply_pact_options(model, args.pact_options(), given, convert, MODEL_PREFIX, batch)
+        return apply_pact_options(model, options, given, convert, MODEL_PREFIX, batch)
 
     def callback(self, kind: type) -> TrainerCallback | None:
         """The registered callback of type `kind`, or None (looked up each time: a resume may replace it)."""
