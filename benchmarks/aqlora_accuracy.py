@@ -1,15 +1,23 @@
-"""Held-out accuracy of a short SmolLM2-135M fine-tune on BIG-bench strategyqa: QLoRA vs AQLoRA vs fp32 LoRA.
+"""Held-out accuracy of a short SmolLM2-135M fine-tune on BIG-bench strategyqa: QLoRA vs AQLoRA vs fp32 LoRA, and
+which AQLoRA ranking repairs the most quantization damage.
 
 Every arm trains LoRA (r=16, all linears unless the setting restricts them) for the same number of steps on the same
 batches (prompt "Question: ...\\nAnswer (yes or no):" + " yes"/" no", loss on the answer token only), then answers
-the fixed held-out split by comparing the log-likelihood of " yes" and " no". Arms: `base` (no training),
-`lora_fp32`, `qlora_nf4` (bitsandbytes, bf16 compute), `pact` (all-NVFP4), `aqlora_quality`, `aqlora_speed`, and
-`aqlora_random`: the quality setting with a memory-matched random protection list instead of the error-ranked one
-(the control). Accuracy comes with its binomial standard error and, against QLoRA, the paired difference with its
-standard error. Before training, each arm's held-out LM loss over all tokens measures its stored base alone
-(quantization damage, and how much protection repairs it), which the few answer tokens cannot resolve.
+the held-out split by comparing the log-likelihood of " yes" and " no". Arms: `base` (fp32, no training),
+`lora_fp32`, `qlora_nf4` (bitsandbytes), `pact` (all-NVFP4), `aqlora_quality` (protection ranked by NVFP4
+reconstruction error), `aqlora_speed`, `aqlora_sensitivity` (the quality setting ranked by gradient sensitivity, on
+the first training batch as PactTrainer does), and the controls `aqlora_random` / `aqlora_sensitivity_random`: a
+random protection list matched in count and memory to the error-ranked / sensitivity-ranked one. Before training,
+each arm's held-out LM loss over all tokens of every question measures its stored base alone (quantization damage,
+and how much protection repairs it), which the few answer tokens cannot resolve.
 
-    python benchmarks/aqlora_accuracy.py                 # ~300 steps x 6 arms; tens of minutes on 2 cores
+Each seed (`--seeds`) draws its own split, training order, calibration batch and random controls. Comparisons are
+paired: per seed over the same held-out questions (mean difference +/- standard error), then over seeds (mean of the
+per-seed differences +/- their standard error, and in how many seeds the arm won).
+
+    python benchmarks/aqlora_accuracy.py                 # 3 seeds x 9 arms x 300 steps: hours on 2 cores
+    python benchmarks/aqlora_accuracy.py --steps 0 --arms base pact aqlora_quality aqlora_random \\
+        aqlora_sensitivity aqlora_sensitivity_random     # the stored-base comparison alone: minutes
     python benchmarks/aqlora_accuracy.py --quick         # a few steps, a few held-out questions
 
 Writes results.json and a bar chart (PNG with matplotlib, else SVG) to --output; stdout gets ONE JSON line.
@@ -20,8 +28,10 @@ in eval() + no_grad on CPU (FACTS.md), so every arm is evaluated the same way.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -29,34 +39,46 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import strategyqa  # noqa: E402  (the data preparation beside this script)
 
-ARMS = ("base", "lora_fp32", "qlora_nf4", "pact", "aqlora_quality", "aqlora_speed", "aqlora_random")
-AQLORA_ARMS = ("aqlora_quality", "aqlora_speed", "aqlora_random")
+from optimum_pact.precision.compute_dtype import DTYPES  # noqa: E402
+
+ARMS = ("base", "lora_fp32", "qlora_nf4", "pact", "aqlora_quality", "aqlora_speed", "aqlora_random",
+        "aqlora_sensitivity", "aqlora_sensitivity_random")  # fmt: skip
+AQLORA_ARMS = ARMS[4:]
+COMPARISONS = (  # (arm, reference): arm - reference, paired
+    ("aqlora_quality", "aqlora_random"),  # does ranking by error beat random at the same premium?
+    ("aqlora_sensitivity", "aqlora_sensitivity_random"),  # ... ranking by sensitivity?
+    ("aqlora_sensitivity", "aqlora_quality"),
+    ("aqlora_quality", "pact"),
+    ("aqlora_sensitivity", "pact"),
+    ("pact", "qlora_nf4"),
+    ("aqlora_quality", "qlora_nf4"),
+    ("pact", "lora_fp32"),
+)
 
 
 def log(*args) -> None:
     print(*args, file=sys.stderr, flush=True)
 
 
-def pact_fields() -> set[str]:
-    from peft_ext import PactConfig
+def build(arm: str, path: str, args, calibration: dict, rankings: dict):
+    """The model of one arm with its adapters, plus a description of what was protected / adapted.
 
-    return set(PactConfig.__dataclass_fields__)
-
-
-def build(arm: str, path: str, args):
-    """The model of one arm with its adapters, plus a description of what was protected / adapted."""
+    `calibration` is the first training batch (what PactTrainer ranks by sensitivity on); `rankings` caches the
+    sensitivity-ranked list of this seed for the random control matched to it.
+    """
     import torch
     from peft import LoraConfig, get_peft_model
-    from protection_controls import matched_random_protected
+    from protection_controls import matched_random_protected, protection_premium_mib
     from transformers import AutoModelForCausalLM
 
+    from optimum_pact.precision import resolve_dtype
     from peft_ext import PactConfig
     from peft_ext.backward_stop import stop_backward_below
     from peft_ext.blocks import lowest_trainable_block
     from peft_ext.ranking import choose_protected
 
     lora = dict(r=args.r, lora_alpha=2 * args.r, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
-    dtype = torch.float32 if arm in ("base", "lora_fp32") else torch.bfloat16
+    dtype = torch.float32 if arm in ("base", "lora_fp32") else resolve_dtype(args.dtype)
     if arm == "qlora_nf4":
         from transformers import BitsAndBytesConfig
 
@@ -71,18 +93,29 @@ def build(arm: str, path: str, args):
     if arm == "pact":
         return get_peft_model(model, PactConfig(**lora)), {}
     info = {}
-    extra = {"protect_fraction": args.protect_fraction, "adapt": "speed" if arm == "aqlora_speed" else "quality"}
-    if arm == "aqlora_speed" and args.adapt_top_blocks is not None:
-        extra["adapt_top_blocks"] = args.adapt_top_blocks
-    if arm == "aqlora_random":
-        ranked = choose_protected(model, args.protect_fraction, args.rank_by)
-        extra["protected_modules"] = matched_random_protected(model, ranked, seed=args.seed)
-        info["error_ranked_would_protect"] = ranked
-    model = get_peft_model(model, PactConfig(**lora, **extra))
+    config = PactConfig(
+        **lora, protect_fraction=args.protect_fraction, rank_by=args.rank_by,
+        adapt="speed" if arm == "aqlora_speed" else "quality",
+        **({"adapt_top_blocks": args.adapt_top_blocks} if arm == "aqlora_speed" and args.adapt_top_blocks else {}),
+    )  # fmt: skip
+    if arm.startswith("aqlora_sensitivity"):
+        if "sensitivity" not in rankings:
+            start = time.perf_counter()
+            sensitive = dataclasses.replace(config, rank_by="sensitivity").with_calibration(model, calibration)
+            rankings["sensitivity"] = sensitive.protected_modules
+            rankings["probe_s"] = time.perf_counter() - start
+            log(f"    sensitivity ranking on the first training batch: {rankings['probe_s']:.0f} s")
+        ranked, info["probe_s"] = rankings["sensitivity"], rankings["probe_s"]
+        config = dataclasses.replace(config, rank_by="sensitivity", protected_modules=ranked)
+    if arm.endswith("_random"):
+        ranked = config.protected_modules or choose_protected(model, args.protect_fraction, args.rank_by)
+        info["ranking_would_protect"] = ranked
+        config = dataclasses.replace(config, protected_modules=matched_random_protected(model, ranked, seed=args.seed))
+    model = get_peft_model(model, config)
     if arm == "aqlora_speed":
         stop_backward_below(model, lowest_trainable_block(model))
-    config = model.peft_config["default"]
-    info.update(protected=getattr(config, "protected_modules", None),
+    protected = model.peft_config["default"].protected_modules
+    info.update(protected=protected, premium_mib=protection_premium_mib(model, protected),
                 lowest_adapted_block=lowest_trainable_block(model))  # fmt: skip
     return model, info
 
@@ -127,8 +160,8 @@ def train(model, tokenizer, train_set, args) -> list[float]:
     return losses
 
 
-def lm_loss(model, tokenizer, test_set, batch: int = 16) -> float:
-    """Mean next-token loss over every token of the held-out prompts + answers.
+def lm_losses(model, tokenizer, test_set, batch: int = 16) -> tuple[list[float], list[int]]:
+    """Per held-out question: the summed next-token loss over every token of its prompt + answer, and the count.
 
     Measured before training (adapters start at zero, so this is the base model as each arm stores it): a robust
     measure of the damage quantization does and of how much protection repairs; the answer token alone is too
@@ -137,14 +170,16 @@ def lm_loss(model, tokenizer, test_set, batch: int = 16) -> float:
     import torch
 
     model.train()  # as in evaluate()
-    total = count = 0
+    sums, counts = [], []
     with torch.no_grad():
         for i in range(0, len(test_set), batch):
             ids, mask, _, _, _ = encode(tokenizer, test_set[i : i + batch], with_answer=True)
-            n = int(mask[:, 1:].sum())
-            total += model(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss.item() * n
-            count += n
-    return total / count
+            logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
+            loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+            keep = mask[:, 1:].bool()
+            sums += loss.masked_fill(~keep, 0).sum(dim=1).tolist()
+            counts += keep.sum(dim=1).tolist()
+    return sums, counts
 
 
 def evaluate(model, tokenizer, test_set, batch: int = 16) -> list[bool]:
@@ -163,12 +198,36 @@ def evaluate(model, tokenizer, test_set, batch: int = 16) -> list[bool]:
     return correct
 
 
-def paired(a: list[bool], b: list[bool]) -> dict:
-    """Accuracy difference a - b over the same questions, with its paired standard error."""
-    d = [int(x) - int(y) for x, y in zip(a, b)]
-    mean = sum(d) / len(d)
-    var = sum((x - mean) ** 2 for x in d) / max(1, len(d) - 1)
-    return {"diff": mean, "se": math.sqrt(var / len(d))}
+def mean_se(values: list[float]) -> dict:
+    """Mean and standard error of the mean (None for a single value)."""
+    mean = statistics.fmean(values)
+    se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
+    return {"mean": mean, "se": se, "n": len(values)}
+
+
+def compare(results: dict, arm: str, ref: str) -> dict | None:
+    """`arm - ref` per seed (paired over the same questions) and over seeds: LM loss per token and accuracy.
+
+    The per-question LM loss difference is each question's mean loss per token; lower is better.
+    """
+    seeds = [seed for seed, arms in results.items() if arm in arms and ref in arms]
+    if not seeds:
+        return None
+    out = {"per_seed": {}}
+    for seed in seeds:
+        a, b = results[seed][arm], results[seed][ref]
+        loss = [(x - y) / n for x, y, n in zip(a["loss_sums"], b["loss_sums"], a["token_counts"])]
+        out["per_seed"][seed] = {
+            "lm_loss": mean_se(loss),
+            "lm_loss_per_token": a["lm_loss_before_training"] - b["lm_loss_before_training"],
+        }
+        if a["correct"]:
+            out["per_seed"][seed]["accuracy"] = mean_se([int(x) - int(y) for x, y in zip(a["correct"], b["correct"])])
+    for key in ("lm_loss", "accuracy") if "accuracy" in out["per_seed"][seeds[0]] else ("lm_loss",):
+        diffs = [entry[key]["mean"] for entry in out["per_seed"].values()]
+        better = [d < 0 if key == "lm_loss" else d > 0 for d in diffs]
+        out[key] = {**mean_se(diffs), "seeds_better": sum(better)}
+    return out
 
 
 def plot(results: dict, majority: float, out: Path) -> Path:
@@ -218,27 +277,78 @@ def _svg(arms, acc, se, majority, out: Path) -> Path:
     return out
 
 
+def run_seed(seed: int, arms: list[str], path: str, tokenizer, examples, args) -> dict:
+    """Every arm on one seed's split, training order, calibration batch and controls."""
+    import random
+
+    import torch
+
+    args.seed = seed
+    train_set, test_set = strategyqa.split(examples, args.test_size, seed)
+    random.Random(seed).shuffle(train_set)
+    calibration = dict(zip(("input_ids", "attention_mask", "labels"),
+                           encode(tokenizer, train_set[: args.batch], with_answer=True)[:3]))  # fmt: skip
+    results, rankings = {}, {}
+    for arm in arms:
+        log(f"seed {seed} {arm}: building")
+        torch.manual_seed(seed)
+        model, info = build(arm, path, args, calibration, rankings)
+        sums, counts = lm_losses(model, tokenizer, test_set)
+        base_loss = sum(sums) / sum(counts)
+        log(f"seed {seed} {arm}: held-out LM loss of the stored base {base_loss:.4f}")
+        start = time.perf_counter()
+        losses = train(model, tokenizer, train_set, args) if arm != "base" and args.steps else []
+        train_s = time.perf_counter() - start
+        correct = evaluate(model, tokenizer, test_set) if args.steps else []  # --steps 0: the stored bases alone
+        acc = sum(correct) / len(correct) if correct else None
+        results[arm] = {"accuracy": acc, "se": math.sqrt(acc * (1 - acc) / len(correct)) if correct else None,
+                        "n": len(correct),
+                        "lm_loss_before_training": base_loss, "train_s": train_s, "first_losses": losses[:5],
+                        "last_losses": losses[-5:], "correct": correct, "loss_sums": sums, "token_counts": counts,
+                        "majority_class": max(sum(e.answer for e in test_set), sum(not e.answer for e in test_set))
+                        / len(test_set), **info}  # fmt: skip
+        if correct:
+            log(f"seed {seed} {arm}: held-out accuracy {acc:.1%} +/- {results[arm]['se']:.1%} (train {train_s:.0f} s)")
+        del model
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="model folder (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=300, help="training steps per arm (0: the stored bases only)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--r", type=int, default=16)
     parser.add_argument("--test-size", type=int, default=500)
-    parser.add_argument("--seed", type=int, default=0, help="seeds the split, the training order and the control")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=[0, 1, 2],
+        help="each seeds the split, the training order, the calibration batch and the controls",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="compute dtype of the quantized arms (auto: bf16 where the CPU has it natively, else fp32)",
+    )
     parser.add_argument("--protect-fraction", type=float, default=0.2)
-    parser.add_argument("--rank-by", choices=("nf4", "nvfp4"), default="nvfp4", help="for the random control")
+    parser.add_argument(
+        "--rank-by",
+        choices=("nf4", "nvfp4"),
+        default="nvfp4",
+        help="the error ranking of aqlora_quality, aqlora_speed and aqlora_random",
+    )
     parser.add_argument("--adapt-top-blocks", type=int, default=None)
     parser.add_argument("--output", help="results folder (default: <cache>/aqlora/accuracy)")
     parser.add_argument("--quick", action="store_true", help="3 steps of 2, 16 held-out questions: machinery only")
-    args = parser.parse_args()
+    args = parser.parse_args()  # fmt: skip
     if args.quick:
         args.steps, args.batch, args.test_size = 3, 2, 16
-    import random
-
-    import torch
+    from bench_train_step import cpu_model
     from transformers import AutoTokenizer
 
     from optimum_pact.cache import cache_dir
@@ -247,50 +357,34 @@ def main() -> None:
     path = args.model or str(ensure_default_model())
     out = Path(args.output) if args.output else cache_dir("aqlora", "accuracy-quick" if args.quick else "accuracy")
     out.mkdir(parents=True, exist_ok=True)
-    train_set, test_set = strategyqa.split(
-        strategyqa.load_examples(strategyqa.ensure_task()), args.test_size, args.seed
-    )
-    random.Random(args.seed).shuffle(train_set)
-    majority = max(sum(e.answer for e in test_set), sum(not e.answer for e in test_set)) / len(test_set)
+    examples = strategyqa.load_examples(strategyqa.ensure_task())
     tokenizer = AutoTokenizer.from_pretrained(path)
-    fields, arms, skipped = pact_fields(), [], []
-    for arm in args.arms:
-        needs = {"protect_fraction"} | ({"protected_modules"} if arm == "aqlora_random" else set())
-        (skipped if arm in AQLORA_ARMS and not needs <= fields else arms).append(arm)
-    if skipped:
-        log(f"PactConfig lacks the AQLoRA fields (issue 5 wiring pending): skipping {', '.join(skipped)}")
-
-    results = {}
-    for arm in arms:
-        log(f"{arm}: building")
-        torch.manual_seed(args.seed)
-        model, info = build(arm, path, args)
-        base_loss = lm_loss(model, tokenizer, test_set)
-        log(f"{arm}: held-out LM loss of the stored base {base_loss:.4f}")
-        start = time.perf_counter()
-        losses = train(model, tokenizer, train_set, args) if arm != "base" else []
-        train_s = time.perf_counter() - start
-        correct = evaluate(model, tokenizer, test_set)
-        acc = sum(correct) / len(correct)
-        results[arm] = {"accuracy": acc, "se": math.sqrt(acc * (1 - acc) / len(correct)), "n": len(correct),
-                        "lm_loss_before_training": base_loss,
-                        "train_s": train_s, "first_losses": losses[:5], "last_losses": losses[-5:],
-                        "correct": correct, **info}  # fmt: skip
-        log(f"{arm}: held-out accuracy {acc:.1%} +/- {results[arm]['se']:.1%} (train {train_s:.0f} s)")
-        del model
-    if "qlora_nf4" in results:
-        for arm in results:
-            if arm != "qlora_nf4":
-                results[arm]["vs_qlora"] = paired(results[arm]["correct"], results["qlora_nf4"]["correct"])
-    chart = plot(results, majority, out / "accuracy.png")
-    config = {k: getattr(args, k) for k in ("steps", "batch", "lr", "r", "test_size", "seed", "protect_fraction",
-                                            "rank_by", "adapt_top_blocks", "quick")}  # fmt: skip
-    summary = {"bench": "aqlora_accuracy", **config, "majority_class": majority, "skipped_arms": skipped,
-               "chart": str(chart), "results": {a: {k: v for k, v in r.items() if k != "correct"}
-                                                for a, r in results.items()}}  # fmt: skip
-    (out / "results.json").write_text(
-        json.dumps({**summary, "per_question": {a: r["correct"] for a, r in results.items()}})
-    )
+    results = {seed: run_seed(seed, args.arms, path, tokenizer, examples, args) for seed in args.seeds}
+    comparisons = {f"{a}_vs_{b}": c for a, b in COMPARISONS if (c := compare(results, a, b)) is not None}
+    for name, c in comparisons.items():
+        loss, acc = c["lm_loss"], c.get("accuracy")
+        se = lambda x: "" if x["se"] is None else f" +/- {x['se']:.4f}"  # noqa: E731
+        accuracy = "" if acc is None else (f"; accuracy {acc['mean']:+.1%}{se(acc)} (higher in {acc['seeds_better']} "
+                                           f"of {acc['n']})")  # fmt: skip
+        log(f"{name}: LM loss {loss['mean']:+.4f}{se(loss)} (lower in {loss['seeds_better']} of {loss['n']} seeds)"
+            f"{accuracy}")  # fmt: skip
+    pooled = {arm: [c for seed in results for c in results[seed][arm]["correct"]] for arm in args.arms}
+    summary_arms = {}
+    for arm, c in pooled.items():
+        acc = sum(c) / len(c) if c else None
+        loss = statistics.fmean(results[seed][arm]["lm_loss_before_training"] for seed in results)
+        summary_arms[arm] = {"lm_loss_before_training": loss}
+        if c:
+            summary_arms[arm].update(accuracy=acc, se=math.sqrt(acc * (1 - acc) / len(c)))
+    majority = statistics.fmean(next(iter(r.values()))["majority_class"] for r in results.values())
+    chart = plot(summary_arms, majority, out / "accuracy.png") if args.steps else None
+    config = {k: getattr(args, k) for k in ("steps", "batch", "lr", "r", "test_size", "seeds", "dtype",
+                                            "protect_fraction", "rank_by", "adapt_top_blocks", "quick")}  # fmt: skip
+    per_seed = {seed: {arm: {k: v for k, v in r.items() if k not in ("correct", "loss_sums", "token_counts")}
+                       for arm, r in arms.items()} for seed, arms in results.items()}  # fmt: skip
+    summary = {"bench": "aqlora_accuracy", **config, "cpu": cpu_model(), "majority_class": majority,
+               "chart": str(chart), "arms": summary_arms, "comparisons": comparisons}  # fmt: skip
+    (out / "results.json").write_text(json.dumps({**summary, "per_seed": per_seed, "raw": results}))
     print(json.dumps(summary))
 
 

@@ -5,12 +5,15 @@ and reports steps/s; (2) one arm runs twice per session (`qlora_nf4_dup`): its r
 floor; (3) whole sessions are repeated (arm order shuffled per session) and results are the mean +/- sd of the
 per-session speed ratios, so the spread is between sessions, not within one. Every arm runs in a fresh process.
 
-Arms: peft fp32 LoRA, peft bf16 LoRA, peft + bitsandbytes QLoRA (nf4, bf16 compute and bf16 everywhere else: the
-well-tuned baseline, without `prepare_model_for_kbit_training`'s fp32 upcast of embeddings and lm_head), PACT
+Arms: peft fp32 LoRA, peft bf16 LoRA, peft + bitsandbytes QLoRA (nf4, computing in `--dtype` and holding everything
+else in it too: the well-tuned baseline, without `prepare_model_for_kbit_training`'s fp32 upcast of embeddings and
+lm_head), PACT
 all-NVFP4, AQLoRA quality (`PactConfig(protect_fraction=0.2, adapt="quality")`) and AQLoRA speed
 (`adapt="speed"`; the harness also calls `stop_backward_below` on it). Models: SmolLM2-135M (real weights) and the
 Qwen2.5-0.5B architecture with random weights (speed only; saved once to the cache so every arm, QLoRA included,
-loads the same weights). Batch 4 x 512, r=16 on all linears, AdamW on the adapters.
+loads the same weights). Batch 4 x 512, r=16 on all linears, AdamW on the adapters. Every arm but fp32 LoRA computes in
+`--dtype` (default auto: bf16 where the CPU computes it natively, else fp32, as `pact finetune` picks); the two peft
+LoRA arms compute in the dtype their names say.
 
     python benchmarks/aqlora_timing.py                       # 3 sessions x 2 models x 7 arms x 60 s: ~1 h 15
     python benchmarks/aqlora_timing.py --quick --seconds 5   # tiny sizes: checks the machinery, not the speed
@@ -31,6 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))  # protection_controls, beside this script
+from optimum_pact.precision.compute_dtype import DTYPES  # noqa: E402
 
 ARMS = ("lora_fp32", "lora_bf16", "qlora_nf4", "pact", "aqlora_quality", "aqlora_speed")
 DUPLICATE = "qlora_nf4"  # measured twice per session: the noise floor
@@ -96,16 +100,20 @@ def model_folder(key: str, quick: bool) -> str:
     return str(folder)
 
 
-def build(arm: str, path: str, r: int, protect_fraction: float, adapt_top_blocks: int | None):
-    """The model of one arm, adapters attached and trainable."""
+def build(
+    arm: str, path: str, r: int, protect_fraction: float, adapt_top_blocks: int | None, dtype_name: str = "auto"
+):
+    """The model of one arm, adapters attached and trainable; the arms not named by a dtype compute in `dtype_name`."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from optimum_pact.precision import resolve_dtype
     from peft_ext import PactConfig
 
     lora = dict(r=r, lora_alpha=2 * r, target_modules="all-linear", task_type="CAUSAL_LM")
-    dtype = torch.float32 if arm == "lora_fp32" else torch.bfloat16
+    named = {"lora_fp32": torch.float32, "lora_bf16": torch.bfloat16}
+    dtype = named.get(arm) or resolve_dtype(dtype_name)
     if arm == "qlora_nf4":
         from transformers import BitsAndBytesConfig
 
@@ -162,12 +170,12 @@ def run_arm(arm: str, path: str, args) -> dict:
     """Build one arm, warm up, then train for `args.seconds` of wall clock; steps/s over whole steps."""
     import torch
 
-    from trainer_callbacks import peak_rss_bytes
+    from trainer_callbacks.resources import peak_rss_bytes
 
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = build(arm.removesuffix("_dup"), path, args.r, args.protect_fraction, args.adapt_top_blocks)
+    model = build(arm.removesuffix("_dup"), path, args.r, args.protect_fraction, args.adapt_top_blocks, args.dtype)
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
@@ -187,6 +195,7 @@ def run_arm(arm: str, path: str, args) -> dict:
     elapsed = time.perf_counter() - start
     return {"arm": arm, "steps": len(times), "elapsed_s": elapsed, "steps_per_s": len(times) / elapsed,
             "step_s": times, "peak_rss_gib": peak_rss_bytes() / 2**30, "threads": torch.get_num_threads(),
+            "dtype": str(next(p for p in model.parameters() if p.requires_grad).dtype).removeprefix("torch."),
             **layer_counts(model)}  # fmt: skip
 
 
@@ -215,6 +224,7 @@ def session(index: int, key: str, path: str, arms: list[str], args) -> dict:
 def child_args(args) -> list[str]:
     out = ["--seconds", str(args.seconds), "--warmup", str(args.warmup), "--batch", str(args.batch)]
     out += ["--seq", str(args.seq), "--r", str(args.r), "--protect-fraction", str(args.protect_fraction)]
+    out += ["--dtype", args.dtype]
     if args.adapt_top_blocks is not None:
         out += ["--adapt-top-blocks", str(args.adapt_top_blocks)]
     if args.threads:
@@ -308,6 +318,9 @@ def main() -> None:
     parser.add_argument("--protect-fraction", type=float, default=0.2)
     parser.add_argument("--adapt-top-blocks", type=int, default=None, help="speed arm; default: PactConfig's")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per arm (default: torch's)")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
+                        help="compute dtype of the arms not named by one (auto: bf16 where the CPU has it natively, "
+                        "else fp32, as training picks)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="seeds the arm order of each session")
     parser.add_argument("--quick", action="store_true", help="batch 1 x 32 tokens and a tiny Qwen2 (machinery only)")
     parser.add_argument("--ranking", action="store_true", help="only time the ranking and list the protected layers")
@@ -344,8 +357,12 @@ def main() -> None:
             )
             log(f"{key} {name:>32}: {entry['mean']:+.1%} +/- {sd} over {len(entry['sessions'])} sessions{met}")
     config = {k: getattr(args, k) for k in ("seconds", "warmup", "sessions", "batch", "seq", "r", "protect_fraction",
-                                            "adapt_top_blocks", "quick")}  # fmt: skip
-    print(json.dumps({"bench": "aqlora_timing", **config, "skipped_arms": skipped, "models": report}))
+                                            "adapt_top_blocks", "dtype", "quick")}  # fmt: skip
+    from bench_train_step import cpu_model  # lscpu's model and AMX, one copy (it imports this module: here, late)
+
+    print(
+        json.dumps({"bench": "aqlora_timing", **config, "cpu": cpu_model(), "skipped_arms": skipped, "models": report})
+    )
 
 
 if __name__ == "__main__":

@@ -1,21 +1,26 @@
 """Personalization benchmark: one adapter per user per night, PACT against the baselines a user would pick.
 
-Workloads (benchmarks/personal_tasks.py): `nightly`, the built-in dataset's user plus generated users with private
-tags; `movielens`, the most active MovieLens users (liked / skip, trained on their past, tested on their later
-ratings); and `lamp2` when you pass official LaMP-2 files (--lamp-questions / --lamp-outputs). Same model
-(SmolLM2-135M-Instruct, real weights), same LoRA (r=8, all linears), same batches and step budget for every
-backprop method:
+Workloads (benchmarks/personal_tasks.py): `nightly` (the default), the built-in dataset's user plus generated users
+with private tags (a task a personal adapter must learn: the base model cannot know the tags); `movielens`, the most
+active MovieLens users (liked / skip, trained on their past, tested on their later ratings: every method lands near
+the majority class, so it cannot tell methods apart); and `lamp2` when you pass official LaMP-2 files
+(--lamp-questions / --lamp-outputs). Same model (SmolLM2-135M-Instruct, real weights), same LoRA (r=8, all
+linears), same batches and step budget for every backprop method:
 
-    zero_shot  the base model, no adapter            majority  the user's most frequent training tag
-    shared     one PACT adapter on all users' data   cpu_bf16  stock peft LoRA in bf16 (the fastest stock setting)
-    fp32       stock peft LoRA in fp32 (reference)   qlora     peft + bitsandbytes nf4, bf16 compute
-    pact       PactConfig, torch backend             mezo      forward-only MeZO on a bf16 LoRA, given PACT's
-                                                                wall-clock on the same user
-and `pact` on the qnn backend (HTP emulator) for --qnn-steps steps, to check its losses agree with the torch
-backend's. Accuracy and macro-F1 (the official LaMP definition, over the user's candidate tags) per user and
-averaged; training wall-clock and peak memory (VmHWM above the idle process) per run.
+    zero_shot  the base model, no adapter            majority    the user's most frequent training tag
+    shared     one PACT adapter on all users' data   cpu_bf16    stock peft LoRA in bf16
+    fp32       stock peft LoRA in fp32 (reference)   qlora       peft + bitsandbytes nf4
+    pact       PactConfig, torch backend             pact_exact  PACT with the `exact` memory savers
+    mezo       forward-only MeZO on a LoRA, given PACT's wall-clock on the same user, at the learning rate a sweep
+               on a user nobody is evaluated on picked (--mezo-lrs)
+Methods not named by a dtype compute in --dtype (auto: bf16 where the CPU has it natively, else fp32, as `pact
+finetune` picks). `pact` on the qnn backend (HTP emulator) runs --qnn-steps steps to check its losses agree with the
+torch backend's. Every user is trained once per seed (--seeds: LoRA init, batch order, MeZO's directions; the users
+stay the same); accuracy and macro-F1 (the official LaMP definition, over the user's candidate tags) are averaged
+over seeds per user, and methods are compared by paired differences: per user, then mean +/- standard error over
+users. Training wall-clock per run; peak memory (VmHWM above the idle process) per method in a fresh process.
 
-    python benchmarks/eval_personalization.py            # default sizes: under an hour on 2 cores
+    python benchmarks/eval_personalization.py            # 12 users x 3 seeds: about an hour on 2 cores
     python benchmarks/eval_personalization.py --quick    # minutes: tiny sizes, machinery only
     python benchmarks/eval_personalization.py --table results.json   # print the README table of a past run
 
@@ -38,7 +43,11 @@ import personal_tasks  # noqa: E402
 import personalization_report as report  # noqa: E402
 from bench_memory import _reset_hwm, _status_bytes, _trim  # noqa: E402  (VmRSS/VmHWM helpers, one copy)
 
-METHODS = ("zero_shot", "majority", "shared", "cpu_bf16", "fp32", "qlora", "pact", "mezo")
+from optimum_pact.precision.compute_dtype import DTYPES  # noqa: E402
+
+METHODS = ("zero_shot", "majority", "shared", "cpu_bf16", "fp32", "qlora", "pact", "pact_exact", "mezo")
+SEEDLESS = ("zero_shot", "majority")  # nothing trained: run on the first seed, the same for the others
+SWEEP_USER = 10_000  # the generated user MeZO's learning rate is chosen on: never one of the evaluated users
 
 
 def log(*args) -> None:
@@ -57,11 +66,13 @@ def memory_child(args) -> None:
 
     import peft_ext  # noqa: F401
 
-    method = args.memory_child
-    task = next(iter(build_workloads(args).values()))[0]
+    method, seed = args.memory_child, args.seeds[0]
+    tasks = next(iter(build_workloads(args).values()))
+    task = tasks[0]
     path = model_path(args)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    data = batches(tokenizer, task.train, args.steps, args.batch, args.seed)
+    items = [item for t in tasks for item in t.train] if method == "shared" else task.train  # one adapter for all
+    data = batches(tokenizer, items, args.steps, args.batch, seed)
     _trim()
     idle = _status_bytes("VmRSS")
     marks = {}
@@ -71,13 +82,15 @@ def memory_child(args) -> None:
         _trim()
         _reset_hwm()
 
-    run_method(method, task, path, tokenizer, data, args, seconds=args.mezo_seconds, on_built=built)
+    run_method(method, task, path, tokenizer, data, args, seed, seconds=args.mezo_seconds, on_built=built)
     gib = {"idle_gib": idle, "load_peak_gib": marks["load"] - idle, "peak_gib": _status_bytes("VmHWM") - idle}
     print(json.dumps({"method": method, **{k: v / 2**30 for k, v in gib.items()}}))
 
 
 def measure_memory(methods, argv) -> dict:
-    """Peak memory per method, each in its own process (in one process the allocator reuses freed memory)."""
+    """Peak memory per method, each in its own process (in one process the allocator reuses freed memory).
+
+    The shared adapter is trained on all users' items of the first workload, as in the run."""
     import subprocess
 
     peaks = {}
@@ -94,15 +107,17 @@ def measure_memory(methods, argv) -> dict:
     return peaks
 
 
-def build(method: str, path: str, args, backend: str = "torch", compiled: bool = True):
+def build(method: str, path: str, args, seed: int, backend: str = "torch", compiled: bool = True):
+    """The model of one method: the base in its dtype, with a LoRA (peft's, or PactConfig's) unless zero_shot."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from optimum_pact.precision import resolve_dtype
     from peft_ext import PactConfig
 
     lora = dict(r=args.r, lora_alpha=2 * args.r, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
-    dtype = torch.float32 if method == "fp32" else torch.bfloat16
+    dtype = {"fp32": torch.float32, "cpu_bf16": torch.bfloat16}.get(method) or resolve_dtype(args.dtype)
     quant = None
     if method == "qlora":
         from transformers import BitsAndBytesConfig
@@ -111,8 +126,8 @@ def build(method: str, path: str, args, backend: str = "torch", compiled: bool =
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=quant)
     if method == "zero_shot":
         return model
-    torch.manual_seed(args.seed)
-    if method in ("pact", "shared"):
+    torch.manual_seed(seed)
+    if method in ("pact", "pact_exact", "shared"):
         return get_peft_model(model, PactConfig(**lora, backend=backend))
     model = get_peft_model(model, LoraConfig(**lora))
     if method == "cpu_bf16" and args.compile and compiled:
@@ -171,15 +186,17 @@ def evaluate(model, tokenizer, task) -> dict:
     return {**lamp.lamp2_metrics(predictions, golds, task.labels), "predictions": predictions}
 
 
-def run_method(method: str, task, path: str, tokenizer, data, args, seconds=None, on_built=None) -> dict:
-    """Train (or not) one method on one user and evaluate it on the user's later items."""
+def run_method(method: str, task, path: str, tokenizer, data, args, seed: int, seconds=None, on_built=None,
+               mezo_lr=None) -> dict:  # fmt: skip
+    """Train (or not) one method on one user (or, for `shared`, on `data` of all users) and evaluate it on the user's
+    later items."""
     import lamp
 
     if method == "majority":
         guess = [task.majority] * len(task.test)
         golds = [i["label"] for i in task.test]
         return {**lamp.lamp2_metrics(guess, golds, task.labels), "predictions": guess, "train_s": 0.0}
-    model = build("cpu_bf16", path, args, compiled=False) if method == "mezo" else build(method, path, args)
+    model = build(method, path, args, seed, compiled=method != "mezo")
     if on_built is not None:
         on_built()
     start = time.perf_counter()
@@ -187,8 +204,17 @@ def run_method(method: str, task, path: str, tokenizer, data, args, seconds=None
     if method == "mezo":
         import mezo
 
-        run = mezo.train_mezo(model, data, seconds, lr=args.mezo_lr, eps=args.mezo_eps, seed=args.seed)
-        out = {"steps": run["steps"], "losses": run["losses"]}
+        lr = args.mezo_lr if mezo_lr is None else mezo_lr  # the sweep's choice, else the first of --mezo-lrs
+        run = mezo.train_mezo(model, data, seconds, lr=lr, eps=args.mezo_eps, seed=seed)
+        out = {"steps": run["steps"], "losses": run["losses"], "lr": lr}
+    elif method == "pact_exact":
+        import tempfile
+
+        from optimum_pact.memory import MemorySavers
+
+        with tempfile.TemporaryDirectory(prefix="pact-offload-") as offload:
+            with MemorySavers.from_preset(model, "exact", offload_dir=offload):
+                out = {"steps": len(data), "losses": train(model, data, args.lr)}
     elif method != "zero_shot":
         out = {"steps": len(data), "losses": train(model, data, args.lr)}
     train_s = time.perf_counter() - start
@@ -197,6 +223,36 @@ def run_method(method: str, task, path: str, tokenizer, data, args, seconds=None
     losses = out.pop("losses")
     return {**result, **out, "train_s": train_s, "first_losses": losses[:3],
             "last_losses": losses[-3:], "all_losses": losses}  # fmt: skip
+
+
+def sweep_mezo_lr(path: str, tokenizer, args) -> dict:
+    """MeZO's learning rate, chosen on a generated user nobody is evaluated on (`SWEEP_USER`), first seed.
+
+    PACT trains that user first; each of `--mezo-lrs` then gets PACT's wall-clock there. The best held-out accuracy
+    on that user's later items wins, ties broken by the lower mean loss of the last steps (a diverged run: infinite).
+    """
+    import math
+
+    import personal_users
+
+    if len(args.mezo_lrs) == 1:
+        return {"lr": args.mezo_lrs[0], "swept": False}
+    items = personal_users.generate_user(SWEEP_USER, args.items_per_user, seed=args.data_seed)
+    task = personal_tasks.split_user("sweep", f"generated-{SWEEP_USER}", items, args.test_fraction)
+    task.test = task.test[: args.max_test_items]
+    seed = args.seeds[0]
+    data = batches(tokenizer, task.train, args.steps, args.batch, seed)
+    seconds = run_method("pact", task, path, tokenizer, data, args, seed)["train_s"]
+    runs = {}
+    for lr in args.mezo_lrs:
+        run = run_method("mezo", task, path, tokenizer, data, args, seed, seconds=seconds, mezo_lr=lr)
+        last = sum(run["last_losses"]) / max(1, len(run["last_losses"]))
+        runs[lr] = {"accuracy": run["accuracy"], "last_loss": last if math.isfinite(last) else math.inf,
+                    "steps": run["steps"]}  # fmt: skip
+        log(f"mezo sweep lr {lr:g}: accuracy {run['accuracy']:.1%}, last loss {last:.3f} ({run['steps']} steps)")
+    best = max(runs, key=lambda lr: (runs[lr]["accuracy"], -runs[lr]["last_loss"]))
+    log(f"mezo sweep: lr {best:g} (PACT's wall-clock there: {seconds:.1f} s)")
+    return {"lr": best, "swept": True, "user": task.user, "seconds": seconds, "runs": runs}
 
 
 def qnn_agreement(task, path: str, tokenizer, data, args) -> dict:
@@ -215,7 +271,8 @@ def qnn_agreement(task, path: str, tokenizer, data, args) -> dict:
         get_backend("qnn")
     except (ImportError, RuntimeError) as err:
         return {"skipped": str(err)}
-    ref, npu = build("pact", path, args), build("pact", path, args, backend="qnn")
+    seed = args.seeds[0]
+    ref, npu = build("pact", path, args, seed), build("pact", path, args, seed, backend="qnn")
     params = {n: p for n, p in ref.named_parameters() if p.requires_grad}
     mirror = {n: p for n, p in npu.named_parameters() if p.requires_grad}
     opt, schedule = optimizer(params.values(), args.lr, len(data))
@@ -245,31 +302,41 @@ def qnn_agreement(task, path: str, tokenizer, data, args) -> dict:
 
 
 def run_workload(name: str, tasks, path: str, tokenizer, args, methods) -> dict:
-    users = {}
-    shared = None
-    if "shared" in methods:
-        pooled = [item for task in tasks for item in task.train]
-        shared_data = batches(tokenizer, pooled, args.steps, args.batch, args.seed)
-        log(f"{name}: shared adapter on {len(pooled)} items of {len(tasks)} users")
-        shared = build("shared", path, args)
-        start = time.perf_counter()
-        shared_losses = train(shared, shared_data, args.lr)
-        shared_info = {"train_s": time.perf_counter() - start, "steps": len(shared_data),
-                       "last_losses": shared_losses[-3:]}  # fmt: skip
-    for task in tasks:
-        data = batches(tokenizer, task.train, args.steps, args.batch, args.seed)
-        runs = {}
-        for method in methods:
-            if method == "shared":
-                runs[method] = {**evaluate(shared, tokenizer, task), **shared_info}
-                continue
-            seconds = runs.get("pact", {}).get("train_s", args.mezo_seconds)
-            runs[method] = run_method(method, task, path, tokenizer, data, args, seconds=seconds)
-            r = runs[method]
-            log(f"{name}/{task.user} {method}: accuracy {r['accuracy']:.1%} macro-F1 {r['f1']:.3f} "
-                f"({r.get('steps', 0)} steps, {r['train_s']:.1f} s)")  # fmt: skip
-        users[task.user] = {"train_items": len(task.train), "test_items": len(task.test), "labels": list(task.labels),
-                            "golds": [i["label"] for i in task.test], "methods": runs}  # fmt: skip
+    """Every method on every user, once per seed; per user and method the runs by seed and their means."""
+    users = {
+        task.user: {"train_items": len(task.train), "test_items": len(task.test), "labels": list(task.labels),
+                    "golds": [i["label"] for i in task.test], "methods": {m: {"seeds": {}} for m in methods}}
+        for task in tasks
+    }  # fmt: skip
+    for seed in args.seeds:
+        if "shared" in methods:
+            pooled = [item for task in tasks for item in task.train]
+            log(f"{name} seed {seed}: shared adapter on {len(pooled)} items of {len(tasks)} users")
+            shared = build("shared", path, args, seed)
+            start = time.perf_counter()
+            shared_losses = train(shared, batches(tokenizer, pooled, args.steps, args.batch, seed), args.lr)
+            shared_info = {"train_s": time.perf_counter() - start, "steps": args.steps,
+                           "last_losses": shared_losses[-3:]}  # fmt: skip
+        for task in tasks:
+            data = batches(tokenizer, task.train, args.steps, args.batch, seed)
+            runs = users[task.user]["methods"]
+            for method in methods:
+                if method == "shared":
+                    run = {**evaluate(shared, tokenizer, task), **shared_info}
+                elif method in SEEDLESS and runs[method]["seeds"]:  # the same answers whatever the seed
+                    run = next(iter(runs[method]["seeds"].values()))
+                else:
+                    seconds = runs.get("pact", {"seeds": {}})["seeds"].get(seed, {}).get("train_s", args.mezo_seconds)
+                    run = run_method(method, task, path, tokenizer, data, args, seed, seconds=seconds)
+                runs[method]["seeds"][seed] = run
+                log(f"{name}/{task.user} seed {seed} {method}: accuracy {run['accuracy']:.1%} macro-F1 "
+                    f"{run['f1']:.3f} ({run.get('steps', 0)} steps, {run['train_s']:.1f} s)")  # fmt: skip
+        shared = None
+    for user in users.values():
+        for entry in user["methods"].values():
+            for key in ("accuracy", "f1", "train_s", "steps"):
+                values = [run[key] for run in entry["seeds"].values() if run.get(key) is not None]
+                entry[key] = sum(values) / len(values) if values else None
     return {"users": users}
 
 
@@ -277,13 +344,26 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="model folder (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
-    parser.add_argument("--workloads", nargs="+", choices=("nightly", "movielens"), default=["nightly", "movielens"])
+    parser.add_argument("--workloads", nargs="+", choices=("nightly", "movielens"), default=["nightly"])
     parser.add_argument("--steps", type=int, default=30, help="steps per adapter (every backprop method)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--r", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--generated-users", type=int, default=3)
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=[0, 1, 2],
+        help="each trains every user once: LoRA init, batch order, MeZO's directions",
+    )
+    parser.add_argument("--data-seed", type=int, default=0, help="the generated users (the same for every seed)")
+    parser.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="compute dtype of the methods not named by one (auto: bf16 where the CPU has it natively, else fp32)",
+    )
+    parser.add_argument("--generated-users", type=int, default=11, help="besides the built-in user")
     parser.add_argument("--items-per-user", type=int, default=200, help="generated and MovieLens users")
     parser.add_argument("--test-fraction", type=float, default=0.2, help="the user's latest items held out")
     parser.add_argument("--movielens-users", type=int, default=6, help="the most active users")
@@ -292,7 +372,13 @@ def parse_args(argv=None):
     parser.add_argument("--lamp-questions", help="LaMP-2 questions JSON: adds the lamp2 workload")
     parser.add_argument("--lamp-outputs", help="LaMP-2 outputs JSON (the gold tags) for --lamp-questions")
     parser.add_argument("--lamp-users", type=int, default=20, help="the first N LaMP-2 questions")
-    parser.add_argument("--mezo-lr", type=float, default=1e-4)
+    parser.add_argument(
+        "--mezo-lrs",
+        type=float,
+        nargs="+",
+        default=[1e-4, 3e-4, 1e-3, 3e-3, 1e-2],
+        help="MeZO learning rates swept on a user nobody is evaluated on (one value: no sweep)",
+    )
     parser.add_argument("--mezo-eps", type=float, default=1e-3)
     parser.add_argument("--mezo-seconds", type=float, default=30.0, help="MeZO's budget when pact is not run")
     parser.add_argument("--qnn-steps", type=int, default=2, help="steps of PACT on qnn (0: skip)")
@@ -307,6 +393,8 @@ def parse_args(argv=None):
     if args.quick:
         args.steps, args.batch, args.generated_users, args.items_per_user = 2, 2, 1, 12
         args.movielens_users, args.lamp_users, args.qnn_steps, args.max_test_items = 1, 1, 0, 8
+        args.seeds, args.mezo_lrs = args.seeds[:1], args.mezo_lrs[:2]
+    args.mezo_lr = args.mezo_lrs[0]  # until the sweep chooses (main)
     if (args.lamp_questions is None) != (args.lamp_outputs is None):
         parser.error("--lamp-questions and --lamp-outputs go together: the questions and their gold outputs")
     for name in ("steps", "batch", "items_per_user", "movielens_users", "lamp_users"):
@@ -322,7 +410,7 @@ def build_workloads(args) -> dict:
     workloads = {}
     if "nightly" in args.workloads:
         workloads["nightly"] = personal_tasks.nightly_tasks(
-            args.generated_users, args.items_per_user, args.test_fraction, args.seed
+            args.generated_users, args.items_per_user, args.test_fraction, args.data_seed
         )
     if "movielens" in args.workloads:
         workloads["movielens"] = personal_tasks.movielens_tasks(
@@ -380,26 +468,32 @@ def main(argv=None) -> dict:
         methods.remove("mezo")
         methods.insert(methods.index("pact") + 1, "mezo")
     start = time.perf_counter()
+    from bench_train_step import cpu_model
+
     results = {
         "bench": "eval_personalization",
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.system()}",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.system()}; {cpu_model()}",
         "date": date.today().isoformat(),
         "config": {k: v for k, v in vars(args).items() if k not in ("table", "output")},
         "workloads": {},
     }
+    if "mezo" in methods:
+        results["mezo_sweep"] = sweep_mezo_lr(path, tokenizer, args)
+        args.mezo_lr = results["config"]["mezo_lr"] = results["mezo_sweep"]["lr"]
     for name, tasks in workloads.items():
         results["workloads"][name] = run_workload(name, tasks, path, tokenizer, args, methods)
         save(results, out)  # a crash later keeps the finished workloads
     if args.qnn_steps and "pact" in methods and "nightly" in workloads:
         task = workloads["nightly"][0]
-        data = batches(tokenizer, task.train, args.steps, args.batch, args.seed)
+        data = batches(tokenizer, task.train, args.steps, args.batch, args.seeds[0])
         log(f"qnn agreement: {args.qnn_steps} steps on the HTP emulator")
         try:
             results["qnn_agreement"] = qnn_agreement(task, path, tokenizer, data, args)
         except Exception as err:  # keep the hour of results above; the error is reported in them
             log(f"qnn agreement failed: {err!r}")
             results["qnn_agreement"] = {"error": repr(err)}
-    results["memory"] = measure_memory([m for m in methods if m != "shared"], argv) if args.memory else {}
+    child_argv = [*argv, "--mezo-lrs", str(getattr(args, "mezo_lr", args.mezo_lrs[0]))]
+    results["memory"] = measure_memory(methods, child_argv) if args.memory else {}
     results["wall_s"] = time.perf_counter() - start
     save(results, out)
     results["plots"] = report.plot(results, out)

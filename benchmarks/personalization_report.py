@@ -10,11 +10,13 @@ TARGETS = {  # (method, baseline, the least acceptable difference in accuracy po
     "pact_vs_fp32": ("pact", "fp32", -1.0),
     "pact_vs_mezo_equal_wallclock": ("pact", "mezo", 0.0),
     "pact_vs_qlora": ("pact", "qlora", 0.0),
+    "pact_exact_vs_fp32": ("pact_exact", "fp32", -1.0),
 }
 LABELS = {
     "zero_shot": "zero-shot base model", "majority": "majority tag (no model)", "shared": "shared adapter (PACT)",
     "cpu_bf16": "peft LoRA bf16 (optimized CPU)", "fp32": "peft LoRA fp32 (reference)", "qlora": "QLoRA (bnb nf4)",
-    "pact": "PACT (torch backend)", "mezo": "MeZO forward-only, PACT's wall-clock",
+    "pact": "PACT (torch backend)", "pact_exact": "PACT + memory savers (exact)",
+    "mezo": "MeZO forward-only, PACT's wall-clock",
 }  # fmt: skip
 
 
@@ -24,7 +26,8 @@ def _mean(values):
 
 
 def summarize(results: dict) -> None:
-    """Adds results["summary"] (per workload and method: means over users) and results["targets"]."""
+    """Adds results["summary"] (per workload and method: means over users of each user's mean over seeds) and
+    results["targets"]: paired differences, per user (its mean over seeds), then mean +/- standard error over users."""
     summary, targets, memory = {}, {}, results.get("memory", {})
     for name, workload in results["workloads"].items():
         users = workload["users"].values()
@@ -38,8 +41,8 @@ def summarize(results: dict) -> None:
             rows[method] = {
                 "accuracy": _mean(r["accuracy"] for r in runs),
                 "macro_f1": _mean(r["f1"] for r in runs),
-                "pooled_accuracy": _mean(p == g for u in users for p, g in zip(u["methods"][method]["predictions"],
-                                                                               u["golds"])),
+                "pooled_accuracy": _mean(p == g for u in users for run in u["methods"][method]["seeds"].values()
+                                         for p, g in zip(run["predictions"], u["golds"])),
                 "train_s": train_s,
                 "steps": _mean(r.get("steps") for r in runs),
                 "peak_gib": memory.get(method, {}).get("peak_gib"),  # not measured for "shared": shown as "-"
@@ -67,12 +70,14 @@ def markdown_table(results: dict) -> str:
     config = results["config"]
     lines = [
         f"Measured {results['date']} on {results['machine']}; SmolLM2-135M-Instruct, LoRA r={config['r']}, "
-        f"{config['steps']} steps of {config['batch']} per adapter, lr {config['lr']}, seed {config['seed']}.",
+        f"{config['steps']} steps of {config['batch']} per adapter, lr {config['lr']}, "
+        f"seeds {config.get('seeds', [config.get('seed')])}, compute dtype {config.get('dtype', 'bf16')}, "
+        f"MeZO lr {config.get('mezo_lr', '-')}.",
         "",
     ]
     for name, rows in results["summary"].items():
         n = next(iter(rows.values()))["users"] if rows else 0
-        lines += [f"**{name}** ({n} users; means over users)", "",
+        lines += [f"**{name}** ({n} users; means over users of each user's mean over seeds)", "",
                   "| method | accuracy | macro-F1 | train s / user | steps | peak memory (GiB) |",
                   "|---|---|---|---|---|---|"]  # fmt: skip
         for method, r in rows.items():

@@ -137,7 +137,8 @@ def test_table_is_written_from_a_results_file(tmp_path, capsys):
 
     results = {
         "date": "2026-11-30", "machine": "x86_64, 2 CPU cores, Linux",
-        "config": {"r": 8, "steps": 30, "batch": 8, "lr": 2e-3, "seed": 0},
+        "config": {"r": 8, "steps": 30, "batch": 8, "lr": 2e-3, "seeds": [0, 1, 2], "dtype": "auto",
+                   "mezo_lr": 1e-3},
         "summary": {"nightly": {m: {"accuracy": a, "macro_f1": 0.5, "train_s": 10.0, "steps": 30, "peak_gib": 0.7,
                                     "users": 4} for m, a in (("fp32", 0.8), ("pact", 0.795))}},
         "targets": {"nightly": {"pact_vs_fp32": {"points": -0.5, "se": 0.3, "least": -1.0, "met": True, "users": 4}}},
@@ -168,25 +169,35 @@ def test_quick_mode_runs_end_to_end(tmp_path):
         "--lamp-outputs",
         str(FIXTURE / "dev_outputs.json"),
     ]
-    results = eval_personalization.main(["--quick", "--output", str(tmp_path), *lamp_args])
+    results = eval_personalization.main(
+        ["--quick", "--output", str(tmp_path), "--workloads", "nightly", "movielens", *lamp_args]
+    )
     assert set(results["workloads"]) == {"nightly", "movielens", "lamp2"}
     assert list(results["workloads"]["lamp2"]["users"]) == ["110"]  # --quick: the first question only
     for workload in results["workloads"].values():
         for user in workload["users"].values():
             assert set(user["methods"]) == set(eval_personalization.METHODS)
-            assert all(len(run["predictions"]) == len(user["golds"]) for run in user["methods"].values())
-            assert user["methods"]["pact"]["steps"] == 2 and user["methods"]["mezo"]["steps"] >= 1
-    assert set(results["memory"]) == set(eval_personalization.METHODS) - {"majority", "shared"}
+            runs = {method: entry["seeds"][0] for method, entry in user["methods"].items()}  # --quick: seed 0 only
+            assert all(len(run["predictions"]) == len(user["golds"]) for run in runs.values())
+            assert runs["pact"]["steps"] == 2 and runs["mezo"]["steps"] >= 1
+            # the exact memory savers train what plain PACT trains (up to float summation order)
+            assert runs["pact_exact"]["all_losses"] == pytest.approx(runs["pact"]["all_losses"], rel=1e-4)
+    sweep = results["mezo_sweep"]
+    assert sweep["swept"] and set(sweep["runs"]) == {1e-4, 3e-4} and sweep["lr"] in sweep["runs"]
+    assert results["config"]["mezo_lr"] == sweep["lr"] and sweep["user"] == "generated-10000"
+    assert set(results["memory"]) == set(eval_personalization.METHODS) - {"majority"}
     memory = {method: m["peak_gib"] for method, m in results["memory"].items()}
     # fp32 LoRA holds 4-byte weights and their gradients' activations: above PACT's NVFP4 base and above forward-only
-    # MeZO (no gradients at all); the shared adapter is not measured, so the table shows "-" rather than a copy
+    # MeZO (no gradients at all); the shared adapter is measured in its own process like every other method
     assert memory["fp32"] > memory["pact"] and memory["fp32"] > memory["mezo"], memory
-    assert results["summary"]["nightly"]["shared"]["peak_gib"] is None
+    assert results["summary"]["nightly"]["shared"]["peak_gib"] == memory["shared"] > 0
     nightly = results["workloads"]["nightly"]["users"]
     pooled_run_s = next(iter(nightly.values()))["methods"]["shared"]["train_s"]  # one run on all users' data
     per_user = results["summary"]["nightly"]["shared"]["train_s"]
     assert per_user == pytest.approx(pooled_run_s / len(nightly)) and len(nightly) > 1
     saved = json.loads((tmp_path / "results.json").read_text())
-    assert set(saved["targets"]["nightly"]) == {"pact_vs_fp32", "pact_vs_mezo_equal_wallclock", "pact_vs_qlora"}
-    assert "| PACT (torch backend) |" in (tmp_path / "results.md").read_text()
+    assert set(saved["targets"]["nightly"]) == {
+        "pact_vs_fp32", "pact_vs_mezo_equal_wallclock", "pact_vs_qlora", "pact_exact_vs_fp32"
+    }  # fmt: skip
+    assert "| PACT + memory savers (exact) |" in (tmp_path / "results.md").read_text()
     assert all(Path(p).stat().st_size > 0 for p in results["plots"]) and len(results["plots"]) == 2
