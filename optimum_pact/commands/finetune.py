@@ -115,13 +115,13 @@ def _finetune(run: FinetuneRun) -> FinetuneSummary:
         train_rows = tokenize_generative(tokenizer, train_items, form)
     if config.uses_calibration:
         torch.manual_seed(args.seed)
-        budgeted = config.precision_plan is None and config.precision_budget_mib is not None
-        config = config.with_calibration(base, collator(train_rows[: args.per_device_train_batch_size]))
-        if budgeted:
+        batch = collator(train_rows[: args.per_device_train_batch_size])
+        uncalibrated, config = config, config.with_calibration(base, batch)
+        if config.precision_plan != uncalibrated.precision_plan:
             kept = sum(p == "fp16" for p in config.precision_plan.values())
             total, budget = len(config.precision_plan), config.precision_budget_mib
             _say(f"precision plan: {kept} of {total} linears fp16 within {budget} MiB")
-        if config.rank_by in ("auto", "sensitivity") and config.protected_modules:
+        if config.protected_modules != uncalibrated.protected_modules:
             _say(f"AQLoRA: {len(config.protected_modules)} linears kept 16-bit, ranked by gradient sensitivity")
     torch.manual_seed(args.seed)
     peft_model = get_peft_model(base, config)
