@@ -277,8 +277,9 @@ def _svg(arms, acc, se, majority, out: Path) -> Path:
     return out
 
 
-def run_seed(seed: int, arms: list[str], path: str, tokenizer, examples, args) -> dict:
-    """Every arm on one seed's split, training order, calibration batch and controls."""
+def run_seed(seed: int, arms: list[str], path: str, tokenizer, examples, args, done: dict) -> dict:
+    """Every arm on one seed's split, training order, calibration batch and controls; arms in `done` (this seed's
+    results from an interrupted run of the same configuration) are kept, not rerun."""
     import random
 
     import torch
@@ -289,10 +290,20 @@ def run_seed(seed: int, arms: list[str], path: str, tokenizer, examples, args) -
     calibration = dict(zip(("input_ids", "attention_mask", "labels"),
                            encode(tokenizer, train_set[: args.batch], with_answer=True)[:3]))  # fmt: skip
     results, rankings = {}, {}
+    if "aqlora_sensitivity" in done:  # its random control draws from the same ranking: no second probe
+        sensitive = done["aqlora_sensitivity"]
+        rankings = {"sensitivity": sensitive["protected"], "probe_s": sensitive["probe_s"]}
     for arm in arms:
+        if arm in done:
+            log(f"seed {seed} {arm}: kept from {args.output_dir / 'results.json'}")
+            results[arm] = done[arm]
+            continue
         log(f"seed {seed} {arm}: building")
         torch.manual_seed(seed)
         model, info = build(arm, path, args, calibration, rankings)
+        if "protected" in info:
+            kept_16 = len(info["protected"])
+            log(f"seed {seed} {arm}: {kept_16} linears kept 16-bit, premium {info['premium_mib']:.2f} MiB")
         sums, counts = lm_losses(model, tokenizer, test_set)
         base_loss = sum(sums) / sum(counts)
         log(f"seed {seed} {arm}: held-out LM loss of the stored base {base_loss:.4f}")
@@ -345,10 +356,14 @@ def main() -> None:
     parser.add_argument("--adapt-top-blocks", type=int, default=None)
     parser.add_argument("--output", help="results folder (default: <cache>/aqlora/accuracy)")
     parser.add_argument("--quick", action="store_true", help="3 steps of 2, 16 held-out questions: machinery only")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the seeds and arms that --output's results.json already holds for these settings",
+    )
     args = parser.parse_args()  # fmt: skip
     if args.quick:
         args.steps, args.batch, args.test_size = 3, 2, 16
-    from bench_train_step import cpu_model
     from transformers import AutoTokenizer
 
     from optimum_pact.cache import cache_dir
@@ -359,7 +374,31 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     examples = strategyqa.load_examples(strategyqa.ensure_task())
     tokenizer = AutoTokenizer.from_pretrained(path)
-    results = {seed: run_seed(seed, args.arms, path, tokenizer, examples, args) for seed in args.seeds}
+    config = {k: getattr(args, k) for k in ("steps", "batch", "lr", "r", "test_size", "dtype", "protect_fraction",
+                                            "rank_by", "adapt_top_blocks", "quick")}  # fmt: skip
+    args.output_dir = out
+    saved = out / "results.json"
+    previous = json.loads(saved.read_text()) if args.resume and saved.exists() else {}
+    if previous and {k: previous.get(k) for k in config} != config:
+        raise SystemExit(
+            f"--resume: {saved} was written with other settings "
+            f"({ {k: previous.get(k) for k in config if previous.get(k) != config[k]} }); rerun without --resume, or "
+            "pass those settings, or another --output."
+        )
+    kept = {int(seed): arms for seed, arms in previous.get("raw", {}).items()}
+    results = {}
+    for seed in args.seeds:
+        results[seed] = run_seed(seed, args.arms, path, tokenizer, examples, args, kept.get(seed, {}))
+        summarize(results, {**config, "seeds": list(results)}, out, chart=False)  # a crash keeps the seeds done
+    summary = summarize(results, {**config, "seeds": args.seeds}, out, chart=bool(args.steps))
+    print(json.dumps(summary))
+
+
+def summarize(results: dict, config: dict, out: Path, chart: bool) -> dict:
+    """Paired comparisons and per-arm means of `results`; writes results.json (atomically) and, with `chart`, the
+    bar chart. Returns the summary (results.json less the per-question data)."""
+    from bench_train_step import cpu_model
+
     comparisons = {f"{a}_vs_{b}": c for a, b in COMPARISONS if (c := compare(results, a, b)) is not None}
     for name, c in comparisons.items():
         loss, acc = c["lm_loss"], c.get("accuracy")
@@ -368,24 +407,27 @@ def main() -> None:
                                            f"of {acc['n']})")  # fmt: skip
         log(f"{name}: LM loss {loss['mean']:+.4f}{se(loss)} (lower in {loss['seeds_better']} of {loss['n']} seeds)"
             f"{accuracy}")  # fmt: skip
-    pooled = {arm: [c for seed in results for c in results[seed][arm]["correct"]] for arm in args.arms}
+    arms = list(next(iter(results.values())))
+    pooled = {arm: [c for seed in results for c in results[seed][arm]["correct"]] for arm in arms}
     summary_arms = {}
     for arm, c in pooled.items():
         acc = sum(c) / len(c) if c else None
         loss = statistics.fmean(results[seed][arm]["lm_loss_before_training"] for seed in results)
         summary_arms[arm] = {"lm_loss_before_training": loss}
+        if "premium_mib" in results[next(iter(results))][arm]:
+            summary_arms[arm]["premium_mib"] = statistics.fmean(results[s][arm]["premium_mib"] for s in results)
         if c:
             summary_arms[arm].update(accuracy=acc, se=math.sqrt(acc * (1 - acc) / len(c)))
     majority = statistics.fmean(next(iter(r.values()))["majority_class"] for r in results.values())
-    chart = plot(summary_arms, majority, out / "accuracy.png") if args.steps else None
-    config = {k: getattr(args, k) for k in ("steps", "batch", "lr", "r", "test_size", "seeds", "dtype",
-                                            "protect_fraction", "rank_by", "adapt_top_blocks", "quick")}  # fmt: skip
+    plotted = plot(summary_arms, majority, out / "accuracy.png") if chart else None
     per_seed = {seed: {arm: {k: v for k, v in r.items() if k not in ("correct", "loss_sums", "token_counts")}
                        for arm, r in arms.items()} for seed, arms in results.items()}  # fmt: skip
     summary = {"bench": "aqlora_accuracy", **config, "cpu": cpu_model(), "majority_class": majority,
-               "chart": str(chart), "arms": summary_arms, "comparisons": comparisons}  # fmt: skip
-    (out / "results.json").write_text(json.dumps({**summary, "per_seed": per_seed, "raw": results}))
-    print(json.dumps(summary))
+               "chart": str(plotted), "arms": summary_arms, "comparisons": comparisons}  # fmt: skip
+    partial = out / "results.json.partial"
+    partial.write_text(json.dumps({**summary, "per_seed": per_seed, "raw": results}))
+    partial.replace(out / "results.json")
+    return summary
 
 
 if __name__ == "__main__":

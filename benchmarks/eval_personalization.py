@@ -23,6 +23,7 @@ users. Training wall-clock per run; peak memory (VmHWM above the idle process) p
     python benchmarks/eval_personalization.py            # 12 users x 3 seeds: about an hour on 2 cores
     python benchmarks/eval_personalization.py --quick    # minutes: tiny sizes, machinery only
     python benchmarks/eval_personalization.py --table results.json   # print the README table of a past run
+    python benchmarks/eval_personalization.py --resume   # finish an interrupted run (results.json is saved per user)
 
 Writes results.json, results.md (the table) and PNG plots to --output; stdout gets ONE JSON line (the summary).
 """
@@ -301,15 +302,24 @@ def qnn_agreement(task, path: str, tokenizer, data, args) -> dict:
             "min_grad_cosine": min(s["grad_cosine"] for s in steps)}  # fmt: skip
 
 
-def run_workload(name: str, tasks, path: str, tokenizer, args, methods) -> dict:
-    """Every method on every user, once per seed; per user and method the runs by seed and their means."""
+def run_workload(name: str, tasks, path: str, tokenizer, args, methods, kept: dict, on_user=None) -> dict:
+    """Every method on every user, once per seed; per user and method the runs by seed and their means.
+
+    `kept` holds this workload's users from an interrupted run of the same settings: their runs are not redone.
+    `on_user(workload)` is called after each user and seed (to save the results so far)."""
     users = {
         task.user: {"train_items": len(task.train), "test_items": len(task.test), "labels": list(task.labels),
                     "golds": [i["label"] for i in task.test], "methods": {m: {"seeds": {}} for m in methods}}
         for task in tasks
     }  # fmt: skip
+    for user, entry in users.items():
+        for method, runs in entry["methods"].items():
+            runs["seeds"].update(kept.get(user, {}).get("methods", {}).get(method, {}).get("seeds", {}))
     for seed in args.seeds:
-        if "shared" in methods:
+        todo = [t for t in tasks if any(seed not in users[t.user]["methods"][m]["seeds"] for m in methods)]
+        if todo:
+            log(f"{name} seed {seed}: {len(todo)} of {len(tasks)} users to run")
+        if "shared" in methods and any(seed not in users[t.user]["methods"]["shared"]["seeds"] for t in todo):
             pooled = [item for task in tasks for item in task.train]
             log(f"{name} seed {seed}: shared adapter on {len(pooled)} items of {len(tasks)} users")
             shared = build("shared", path, args, seed)
@@ -317,10 +327,12 @@ def run_workload(name: str, tasks, path: str, tokenizer, args, methods) -> dict:
             shared_losses = train(shared, batches(tokenizer, pooled, args.steps, args.batch, seed), args.lr)
             shared_info = {"train_s": time.perf_counter() - start, "steps": args.steps,
                            "last_losses": shared_losses[-3:]}  # fmt: skip
-        for task in tasks:
+        for task in todo:
             data = batches(tokenizer, task.train, args.steps, args.batch, seed)
             runs = users[task.user]["methods"]
             for method in methods:
+                if seed in runs[method]["seeds"]:
+                    continue
                 if method == "shared":
                     run = {**evaluate(shared, tokenizer, task), **shared_info}
                 elif method in SEEDLESS and runs[method]["seeds"]:  # the same answers whatever the seed
@@ -331,13 +343,42 @@ def run_workload(name: str, tasks, path: str, tokenizer, args, methods) -> dict:
                 runs[method]["seeds"][seed] = run
                 log(f"{name}/{task.user} seed {seed} {method}: accuracy {run['accuracy']:.1%} macro-F1 "
                     f"{run['f1']:.3f} ({run.get('steps', 0)} steps, {run['train_s']:.1f} s)")  # fmt: skip
+            if on_user is not None:
+                on_user(seed_means(users))
         shared = None
+    return seed_means(users)
+
+
+def seed_means(users: dict) -> dict:
+    """The workload entry: per user and method, the mean over the seeds run so far of each figure."""
     for user in users.values():
         for entry in user["methods"].values():
             for key in ("accuracy", "f1", "train_s", "steps"):
                 values = [run[key] for run in entry["seeds"].values() if run.get(key) is not None]
                 entry[key] = sum(values) / len(values) if values else None
     return {"users": users}
+
+
+def resumed(args, out: Path) -> dict:
+    """With --resume, the results.json of an interrupted run in `out` (seed keys back to ints), if its settings are
+    these; else {}. Settings that differ are a clear error: mixing them would compare unlike runs."""
+    saved = out / "results.json"
+    if not args.resume or not saved.exists():
+        return {}
+    previous = json.loads(saved.read_text())
+    ignore = ("resume", "memory", "mezo_lr", "qnn_steps", "methods")  # what may change between the pieces of one run
+    mine = {k: v for k, v in vars(args).items() if k not in ("table", "output", *ignore)}
+    theirs = {k: v for k, v in previous["config"].items() if k not in ignore}
+    differ = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
+    if differ:
+        raise SystemExit(f"--resume: {saved} was run with other settings (saved, now): {differ}; pass the saved "
+                         "ones, or drop --resume / choose another --output to start afresh.")  # fmt: skip
+    for workload in previous["workloads"].values():
+        for user in workload["users"].values():
+            for entry in user["methods"].values():
+                entry["seeds"] = {int(seed): run for seed, run in entry["seeds"].items()}
+    log(f"--resume: keeping the runs in {saved}")
+    return previous
 
 
 def parse_args(argv=None):
@@ -387,6 +428,11 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true", help="tiny sizes: machinery only, minutes")
     parser.add_argument("--max-test-items", type=int, help="evaluate each user on at most this many later items")
     parser.add_argument("--no-memory", dest="memory", action="store_false", help="skip the per-method memory probes")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the runs --output's results.json holds (an interrupted run of these settings) and run the rest",
+    )
     parser.add_argument("--memory-child", choices=METHODS, help=argparse.SUPPRESS)
     parser.add_argument("--table", metavar="RESULTS_JSON", help="print the markdown table of a past run and exit")
     args = parser.parse_args(argv)
@@ -477,13 +523,26 @@ def main(argv=None) -> dict:
         "config": {k: v for k, v in vars(args).items() if k not in ("table", "output")},
         "workloads": {},
     }
+    previous = resumed(args, out)
+    piece = {k: results[k] for k in ("machine", "date")}  # a resumed run may span days (and machines): each piece
+    results["pieces"] = [*previous.get("pieces", []), piece]
     if "mezo" in methods:
-        results["mezo_sweep"] = sweep_mezo_lr(path, tokenizer, args)
+        results["mezo_sweep"] = previous.get("mezo_sweep") or sweep_mezo_lr(path, tokenizer, args)
         args.mezo_lr = results["config"]["mezo_lr"] = results["mezo_sweep"]["lr"]
     for name, tasks in workloads.items():
-        results["workloads"][name] = run_workload(name, tasks, path, tokenizer, args, methods)
-        save(results, out)  # a crash later keeps the finished workloads
-    if args.qnn_steps and "pact" in methods and "nightly" in workloads:
+
+        def on_user(workload, name=name):  # a crash (or ^C) keeps every finished user and seed: see --resume
+            results["workloads"][name] = workload
+            piece["wall_s"] = time.perf_counter() - start
+            results["wall_s"], results["complete"] = previous.get("wall_s", 0.0) + piece["wall_s"], False
+            save(results, out)
+
+        kept = previous.get("workloads", {}).get(name, {}).get("users", {})
+        results["workloads"][name] = run_workload(name, tasks, path, tokenizer, args, methods, kept, on_user)
+        save(results, out)
+    if "qnn_agreement" in previous:
+        results["qnn_agreement"] = previous["qnn_agreement"]
+    elif args.qnn_steps and "pact" in methods and "nightly" in workloads:
         task = workloads["nightly"][0]
         data = batches(tokenizer, task.train, args.steps, args.batch, args.seeds[0])
         log(f"qnn agreement: {args.qnn_steps} steps on the HTP emulator")
@@ -493,8 +552,11 @@ def main(argv=None) -> dict:
             log(f"qnn agreement failed: {err!r}")
             results["qnn_agreement"] = {"error": repr(err)}
     child_argv = [*argv, "--mezo-lrs", str(getattr(args, "mezo_lr", args.mezo_lrs[0]))]
-    results["memory"] = measure_memory(methods, child_argv) if args.memory else {}
-    results["wall_s"] = time.perf_counter() - start
+    kept_memory = {m: peak for m, peak in previous.get("memory", {}).items() if m in methods}
+    todo = [m for m in methods if m not in kept_memory] if args.memory else []
+    results["memory"] = {**kept_memory, **measure_memory(todo, child_argv)}
+    piece["wall_s"] = time.perf_counter() - start
+    results["wall_s"], results["complete"] = previous.get("wall_s", 0.0) + piece["wall_s"], True
     save(results, out)
     results["plots"] = report.plot(results, out)
     summary = {k: results[k] for k in ("bench", "date", "wall_s", "summary", "targets", "plots")}

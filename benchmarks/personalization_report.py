@@ -46,13 +46,17 @@ def summarize(results: dict) -> None:
                 "train_s": train_s,
                 "steps": _mean(r.get("steps") for r in runs),
                 "peak_gib": memory.get(method, {}).get("peak_gib"),  # not measured for "shared": shown as "-"
-                "users": len(runs),
+                "users": sum(r["accuracy"] is not None for r in runs),
             }  # fmt: skip
         summary[name] = rows
         for target, (method, baseline, least) in TARGETS.items():
             if method not in rows or baseline not in rows:
                 continue
-            diffs = [100 * (u["methods"][method]["accuracy"] - u["methods"][baseline]["accuracy"]) for u in users]
+            paired = [u["methods"] for u in users if None not in (u["methods"][method]["accuracy"],
+                                                                 u["methods"][baseline]["accuracy"])]  # fmt: skip
+            if not paired:  # an interrupted run that has not reached both methods yet
+                continue
+            diffs = [100 * (m[method]["accuracy"] - m[baseline]["accuracy"]) for m in paired]
             mean = sum(diffs) / len(diffs)
             sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)) if len(diffs) > 1 else None
             se = sd / math.sqrt(len(diffs)) if sd is not None else None
@@ -75,6 +79,8 @@ def markdown_table(results: dict) -> str:
         f"MeZO lr {config.get('mezo_lr', '-')}.",
         "",
     ]
+    if results.get("complete") is False:
+        lines[-1:] = ["PARTIAL: an interrupted run; means over the users and seeds run so far (--resume ends it).", ""]
     for name, rows in results["summary"].items():
         n = next(iter(rows.values()))["users"] if rows else 0
         lines += [f"**{name}** ({n} users; means over users of each user's mean over seeds)", "",

@@ -201,3 +201,49 @@ def test_quick_mode_runs_end_to_end(tmp_path):
     }  # fmt: skip
     assert "| PACT + memory savers (exact) |" in (tmp_path / "results.md").read_text()
     assert all(Path(p).stat().st_size > 0 for p in results["plots"]) and len(results["plots"]) == 2
+
+
+def _run(accuracy: float) -> dict:
+    return {"accuracy": accuracy, "f1": accuracy, "predictions": ["a"], "train_s": 1.0, "steps": 2}
+
+
+def test_resume_keeps_finished_runs_and_saves_after_each_user(tmp_path):
+    """An interrupted run: user `u1` finished both seeds, `u2` none. Resuming redoes nothing `u1` has (no model is
+    built for it: there is none here), and the partial results.json already summarizes what was run."""
+    from types import SimpleNamespace
+
+    import eval_personalization
+    import personalization_report
+
+    args = eval_personalization.parse_args(["--output", str(tmp_path), "--seeds", "0", "1", "--resume"])
+    config = {k: v for k, v in vars(args).items() if k not in ("table", "output")}
+    u1 = {m: {"seeds": {"0": _run(0.5), "1": _run(0.7)}} for m in ("fp32", "pact")}
+    saved = {"config": config, "workloads": {"nightly": {"users": {"u1": {"methods": u1}}}}}
+    (tmp_path / "results.json").write_text(json.dumps(saved))
+    previous = eval_personalization.resumed(args, tmp_path)
+    kept = previous["workloads"]["nightly"]["users"]
+    assert set(kept["u1"]["methods"]["pact"]["seeds"]) == {0, 1}  # JSON's string keys back to the seeds
+
+    task = SimpleNamespace(user="u1", train=[], test=[{"label": "a"}], labels=("a",))
+    seen = []
+    workload = eval_personalization.run_workload("nightly", [task], "no-model", None, args, ["fp32", "pact"], kept,
+                                                 on_user=seen.append)  # fmt: skip
+    assert seen == []  # nothing left to run for u1
+    assert workload["users"]["u1"]["methods"]["pact"]["accuracy"] == pytest.approx(0.6)
+
+    partial = {"workloads": {"nightly": {"users": {"u1": workload["users"]["u1"], "u2": {"methods": {
+        m: {"seeds": {}, "accuracy": None, "f1": None} for m in ("fp32", "pact")}}}}}}  # fmt: skip
+    personalization_report.summarize(partial)
+    assert partial["summary"]["nightly"]["pact"]["users"] == 1  # u2 has not run yet
+    assert partial["targets"]["nightly"]["pact_vs_fp32"]["users"] == 1
+
+
+def test_resume_refuses_results_of_other_settings(tmp_path):
+    import eval_personalization
+
+    saved = eval_personalization.parse_args(["--steps", "30"])
+    config = {k: v for k, v in vars(saved).items() if k not in ("table", "output")}
+    (tmp_path / "results.json").write_text(json.dumps({"config": config, "workloads": {}}))
+    with pytest.raises(SystemExit, match="'steps': \\(30, 20\\)"):
+        eval_personalization.resumed(eval_personalization.parse_args(["--steps", "20", "--resume"]), tmp_path)
+    assert eval_personalization.resumed(eval_personalization.parse_args(["--steps", "20"]), tmp_path) == {}
