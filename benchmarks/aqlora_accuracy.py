@@ -20,7 +20,8 @@ per-seed differences +/- their standard error, and in how many seeds the arm won
         aqlora_sensitivity aqlora_sensitivity_random     # the stored-base comparison alone: minutes
     python benchmarks/aqlora_accuracy.py --quick         # a few steps, a few held-out questions
 
-Writes results.json and a bar chart (PNG with matplotlib, else SVG) to --output; stdout gets ONE JSON line.
+Writes results.json (after every seed: `--resume` keeps the seeds and arms an interrupted run of the same settings
+finished) and a bar chart (PNG with matplotlib, else SVG) to --output; stdout gets ONE JSON line.
 Evaluation runs under no_grad in train mode (no dropout anywhere): bitsandbytes repacks Linear4bit weights in place
 in eval() + no_grad on CPU (FACTS.md), so every arm is evaluated the same way.
 """
@@ -48,6 +49,7 @@ COMPARISONS = (  # (arm, reference): arm - reference, paired
     ("aqlora_quality", "aqlora_random"),  # does ranking by error beat random at the same premium?
     ("aqlora_sensitivity", "aqlora_sensitivity_random"),  # ... ranking by sensitivity?
     ("aqlora_sensitivity", "aqlora_quality"),
+    ("aqlora_sensitivity", "aqlora_random"),  # ... a random list of the error ranking's shapes, at its premium
     ("aqlora_quality", "pact"),
     ("aqlora_sensitivity", "pact"),
     ("pact", "qlora_nf4"),

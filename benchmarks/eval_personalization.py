@@ -20,7 +20,7 @@ stay the same); accuracy and macro-F1 (the official LaMP definition, over the us
 over seeds per user, and methods are compared by paired differences: per user, then mean +/- standard error over
 users. Training wall-clock per run; peak memory (VmHWM above the idle process) per method in a fresh process.
 
-    python benchmarks/eval_personalization.py            # 12 users x 3 seeds: about an hour on 2 cores
+    python benchmarks/eval_personalization.py            # 12 users x 3 seeds: hours on 2 cores (see --resume)
     python benchmarks/eval_personalization.py --quick    # minutes: tiny sizes, machinery only
     python benchmarks/eval_personalization.py --table results.json   # print the README table of a past run
     python benchmarks/eval_personalization.py --resume   # finish an interrupted run (results.json is saved per user)
