@@ -388,6 +388,10 @@ def main() -> None:
             "pass those settings, or another --output."
         )
     kept = {int(seed): arms for seed, arms in previous.get("raw", {}).items()}
+    dropped = {(s, arm) for s, arms in kept.items() for arm in arms if s not in args.seeds or arm not in args.arms}
+    if dropped:  # saving would lose them
+        raise SystemExit(f"--resume: {saved} holds (seed, arm) runs this command leaves out: {sorted(dropped)}; pass "
+                         "those --seeds and --arms too, or another --output.")  # fmt: skip
     results = {}
     for seed in args.seeds:
         results[seed] = run_seed(seed, args.arms, path, tokenizer, examples, args, kept.get(seed, {}))

@@ -366,7 +366,8 @@ def resumed(args, out: Path) -> dict:
     if not args.resume or not saved.exists():
         return {}
     previous = json.loads(saved.read_text())
-    ignore = ("resume", "memory", "mezo_lr", "qnn_steps", "methods")  # what may change between the pieces of one run
+    ignore = ("resume", "memory", "mezo_lr", "qnn_steps")  # what may change between the pieces of one run (fewer
+    # --methods may not: saving would drop the kept runs of the others)
     mine = {k: v for k, v in vars(args).items() if k not in ("table", "output", *ignore)}
     theirs = {k: v for k, v in previous["config"].items() if k not in ignore}
     differ = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
