@@ -187,8 +187,27 @@ def evaluate(model, tokenizer, task) -> dict:
     return {**lamp.lamp2_metrics(predictions, golds, task.labels), "predictions": predictions}
 
 
+def heldout_loss(model, tokenizer, items: list[dict], batch_size: int) -> float:
+    """Mean loss per label token on `items` (the user's later ones): a validation score finer than accuracy."""
+    import torch
+    from transformers import DataCollatorForSeq2Seq
+
+    from optimum_pact.commands.finetune import tokenize_examples
+
+    rows = tokenize_examples(tokenizer, items)
+    collate = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+    model.eval()
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(rows), batch_size):
+            batch = dict(collate(rows[start : start + batch_size]))
+            n = int((batch["labels"][:, 1:] != -100).sum())  # the shifted targets the loss averages over
+            total, tokens = total + float(model(**batch).loss) * n, tokens + n
+    return total / tokens if tokens else float("nan")
+
+
 def run_method(method: str, task, path: str, tokenizer, data, args, seed: int, seconds=None, on_built=None,
-               mezo_lr=None) -> dict:  # fmt: skip
+               mezo_lr=None, score_loss=False) -> dict:  # fmt: skip
     """Train (or not) one method on one user (or, for `shared`, on `data` of all users) and evaluate it on the user's
     later items."""
     import lamp
@@ -220,6 +239,8 @@ def run_method(method: str, task, path: str, tokenizer, data, args, seed: int, s
         out = {"steps": len(data), "losses": train(model, data, args.lr)}
     train_s = time.perf_counter() - start
     result = evaluate(model, tokenizer, task)
+    if score_loss:
+        result["heldout_loss"] = heldout_loss(model, tokenizer, task.test, args.batch)
     del model
     losses = out.pop("losses")
     return {**result, **out, "train_s": train_s, "first_losses": losses[:3],
@@ -229,8 +250,9 @@ def run_method(method: str, task, path: str, tokenizer, data, args, seed: int, s
 def sweep_mezo_lr(path: str, tokenizer, args) -> dict:
     """MeZO's learning rate, chosen on a generated user nobody is evaluated on (`SWEEP_USER`), first seed.
 
-    PACT trains that user first; each of `--mezo-lrs` then gets PACT's wall-clock there. The best held-out accuracy
-    on that user's later items wins, ties broken by the lower mean loss of the last steps (a diverged run: infinite).
+    PACT trains that user first; each of `--mezo-lrs` then gets PACT's wall-clock there. The lowest loss on that
+    user's later items wins (a diverged run: infinite). Loss, not accuracy: on a few dozen items accuracy moves in
+    steps of several points and picked, in a first run, a rate whose training loss had doubled.
     """
     import math
 
@@ -243,17 +265,20 @@ def sweep_mezo_lr(path: str, tokenizer, args) -> dict:
     task.test = task.test[: args.max_test_items]
     seed = args.seeds[0]
     data = batches(tokenizer, task.train, args.steps, args.batch, seed)
-    seconds = run_method("pact", task, path, tokenizer, data, args, seed)["train_s"]
-    runs = {}
+    pact = run_method("pact", task, path, tokenizer, data, args, seed, score_loss=True)
+    seconds, runs = pact["train_s"], {}
     for lr in args.mezo_lrs:
-        run = run_method("mezo", task, path, tokenizer, data, args, seed, seconds=seconds, mezo_lr=lr)
-        last = sum(run["last_losses"]) / max(1, len(run["last_losses"]))
-        runs[lr] = {"accuracy": run["accuracy"], "last_loss": last if math.isfinite(last) else math.inf,
-                    "steps": run["steps"]}  # fmt: skip
-        log(f"mezo sweep lr {lr:g}: accuracy {run['accuracy']:.1%}, last loss {last:.3f} ({run['steps']} steps)")
-    best = max(runs, key=lambda lr: (runs[lr]["accuracy"], -runs[lr]["last_loss"]))
-    log(f"mezo sweep: lr {best:g} (PACT's wall-clock there: {seconds:.1f} s)")
-    return {"lr": best, "swept": True, "user": task.user, "seconds": seconds, "runs": runs}
+        run = run_method("mezo", task, path, tokenizer, data, args, seed, seconds=seconds, mezo_lr=lr, score_loss=True)
+        heldout = run["heldout_loss"] if math.isfinite(run["heldout_loss"]) else math.inf
+        losses = run["first_losses"][:1] + run["last_losses"][-1:] or [math.nan, math.nan]
+        runs[lr] = {"heldout_loss": heldout, "accuracy": run["accuracy"], "steps": run["steps"]}
+        runs[lr]["first_loss"], runs[lr]["last_loss"] = losses[0], losses[-1]
+        log(f"mezo sweep lr {lr:g}: held-out loss {heldout:.3f}, accuracy {run['accuracy']:.1%}, training loss "
+            f"{losses[0]:.3f} -> {losses[-1]:.3f} ({run['steps']} steps)")  # fmt: skip
+    best = min(runs, key=lambda lr: runs[lr]["heldout_loss"])
+    log(f"mezo sweep: lr {best:g} (PACT there: {seconds:.1f} s, held-out loss {pact['heldout_loss']:.3f})")
+    return {"lr": best, "swept": True, "user": task.user, "seconds": seconds, "runs": runs,
+            "pact_heldout_loss": pact["heldout_loss"]}  # fmt: skip
 
 
 def qnn_agreement(task, path: str, tokenizer, data, args) -> dict:

@@ -158,6 +158,33 @@ def test_lamp_files_go_together():
         eval_personalization.parse_args(["--lamp-questions", str(FIXTURE / "dev_questions.json")])
 
 
+def test_heldout_loss_weighs_every_label_token_alike(small_model):
+    """The MeZO sweep's score: mean loss per label token over all items, whatever the batching (uneven lengths)."""
+    import eval_personalization
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from optimum_pact.commands.finetune import tokenize_examples
+
+    tokenizer = AutoTokenizer.from_pretrained(small_model)
+    model = AutoModelForCausalLM.from_pretrained(small_model)
+    items = [
+        {"text": "Tag this: a quiet film about rain", "label": "slow"},
+        {"text": "Tag this: robots", "label": "science fiction with long battle scenes"},
+        {"text": "Tag this: a heist in Lyon, told backwards by three narrators", "label": "crime"},
+    ]
+    total, count = 0.0, 0  # the reference: one item at a time, summed over its label tokens
+    with torch.no_grad():
+        for row in tokenize_examples(tokenizer, items):
+            ids, labels = torch.tensor([row["input_ids"]]), torch.tensor(row["labels"][1:])
+            logits = model(input_ids=ids).logits[0, :-1]
+            keep = labels != -100
+            total += float(torch.nn.functional.cross_entropy(logits[keep], labels[keep], reduction="sum"))
+            count += int(keep.sum())
+    for batch_size in (1, 2, 3):
+        loss = eval_personalization.heldout_loss(model, tokenizer, items, batch_size)
+        assert loss == pytest.approx(total / count, rel=1e-5), batch_size
+
+
 @pytest.mark.slow
 def test_quick_mode_runs_end_to_end(tmp_path):
     """--quick on real SmolLM2 weights and real MovieLens data, plus the LaMP-2 fixture: every method, every user."""
@@ -183,7 +210,9 @@ def test_quick_mode_runs_end_to_end(tmp_path):
             # the exact memory savers train what plain PACT trains (up to float summation order)
             assert runs["pact_exact"]["all_losses"] == pytest.approx(runs["pact"]["all_losses"], rel=1e-4)
     sweep = results["mezo_sweep"]
-    assert sweep["swept"] and set(sweep["runs"]) == {1e-4, 3e-4} and sweep["lr"] in sweep["runs"]
+    assert sweep["swept"] and set(sweep["runs"]) == {1e-4, 3e-4}
+    assert sweep["lr"] == min(sweep["runs"], key=lambda lr: sweep["runs"][lr]["heldout_loss"])  # loss picks
+    assert all(0 < run["heldout_loss"] < 20 for run in sweep["runs"].values()) and sweep["pact_heldout_loss"] > 0
     assert results["config"]["mezo_lr"] == sweep["lr"] and sweep["user"] == "generated-10000"
     assert set(results["memory"]) == set(eval_personalization.METHODS) - {"majority"}
     memory = {method: m["peak_gib"] for method, m in results["memory"].items()}
