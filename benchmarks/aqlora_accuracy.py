@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import resume  # noqa: E402
 import strategyqa  # noqa: E402  (the data preparation beside this script)
 
 from optimum_pact.precision.compute_dtype import DTYPES  # noqa: E402
@@ -381,12 +382,8 @@ def main() -> None:
     args.output_dir = out
     saved = out / "results.json"
     previous = json.loads(saved.read_text()) if args.resume and saved.exists() else {}
-    if previous and {k: previous.get(k) for k in config} != config:
-        raise SystemExit(
-            f"--resume: {saved} was written with other settings "
-            f"({ {k: previous.get(k) for k in config if previous.get(k) != config[k]} }); rerun without --resume, or "
-            "pass those settings, or another --output."
-        )
+    if previous:
+        resume.check_settings(saved, previous, config)
     kept = {int(seed): arms for seed, arms in previous.get("raw", {}).items()}
     dropped = {(s, arm) for s, arms in kept.items() for arm in arms if s not in args.seeds or arm not in args.arms}
     if dropped:  # saving would lose them
@@ -427,7 +424,7 @@ def summarize(results: dict, config: dict, out: Path, chart: bool) -> dict:
     majority = statistics.fmean(next(iter(r.values()))["majority_class"] for r in results.values())
     plotted = plot(summary_arms, majority, out / "accuracy.png") if chart else None
     per_seed = {seed: {arm: {k: v for k, v in r.items() if k not in ("correct", "loss_sums", "token_counts")}
-                       for arm, r in arms.items()} for seed, arms in results.items()}  # fmt: skip
+                       for arm, r in runs.items()} for seed, runs in results.items()}  # fmt: skip
     summary = {"bench": "aqlora_accuracy", **config, "cpu": cpu_model(), "majority_class": majority,
                "chart": str(plotted), "arms": summary_arms, "comparisons": comparisons}  # fmt: skip
     partial = out / "results.json.partial"

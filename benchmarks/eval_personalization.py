@@ -14,11 +14,13 @@ linears), same batches and step budget for every backprop method:
     mezo       forward-only MeZO on a LoRA, given PACT's wall-clock on the same user, at the learning rate a sweep
                on a user nobody is evaluated on picked (--mezo-lrs)
 Methods not named by a dtype compute in --dtype (auto: bf16 where the CPU has it natively, else fp32, as `pact
-finetune` picks). `pact` on the qnn backend (HTP emulator) runs --qnn-steps steps to check its losses agree with the
-torch backend's. Every user is trained once per seed (--seeds: LoRA init, batch order, MeZO's directions; the users
-stay the same); accuracy and macro-F1 (the official LaMP definition, over the user's candidate tags) are averaged
-over seeds per user, and methods are compared by paired differences: per user, then mean +/- standard error over
-users. Training wall-clock per run; peak memory (VmHWM above the idle process) per method in a fresh process.
+finetune` picks); cpu_bf16 runs by default only where bf16 is native (emulated, on an AVX2-only AMD EPYC, its 30
+steps took 1071 s against fp32's 49). `pact` on the qnn backend (HTP emulator) runs --qnn-steps steps to check its
+losses agree with the torch backend's. Every user is trained once per seed (--seeds: LoRA init, batch order, MeZO's
+directions; the users stay the same); accuracy and macro-F1 (the official LaMP definition, over the user's candidate
+tags) are averaged over seeds per user, and methods are compared by paired differences: per user, then mean +/-
+standard error over users. Training wall-clock per run; peak memory (VmHWM above the idle process) per method in a
+fresh process.
 
     python benchmarks/eval_personalization.py            # 12 users x 3 seeds: hours on 2 cores (see --resume)
     python benchmarks/eval_personalization.py --quick    # minutes: tiny sizes, machinery only
@@ -42,6 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import personal_tasks  # noqa: E402
 import personalization_report as report  # noqa: E402
+import resume  # noqa: E402
 from bench_memory import _reset_hwm, _status_bytes, _trim  # noqa: E402  (VmRSS/VmHWM helpers, one copy)
 
 from optimum_pact.precision.compute_dtype import DTYPES  # noqa: E402
@@ -395,10 +398,7 @@ def resumed(args, out: Path) -> dict:
     # --methods may not: saving would drop the kept runs of the others)
     mine = {k: v for k, v in vars(args).items() if k not in ("table", "output", *ignore)}
     theirs = {k: v for k, v in previous["config"].items() if k not in ignore}
-    differ = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
-    if differ:
-        raise SystemExit(f"--resume: {saved} was run with other settings (saved, now): {differ}; pass the saved "
-                         "ones, or drop --resume / choose another --output to start afresh.")  # fmt: skip
+    resume.check_settings(saved, theirs, mine)
     for workload in previous["workloads"].values():
         for user in workload["users"].values():
             for entry in user["methods"].values():
@@ -410,7 +410,12 @@ def resumed(args, out: Path) -> dict:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="model folder (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        choices=METHODS,
+        help="default: all, less cpu_bf16 where the CPU has no native bf16 (emulated there: 22x fp32's step time)",
+    )
     parser.add_argument("--workloads", nargs="+", choices=("nightly", "movielens"), default=["nightly"])
     parser.add_argument("--steps", type=int, default=30, help="steps per adapter (every backprop method)")
     parser.add_argument("--batch", type=int, default=8)
@@ -467,6 +472,10 @@ def parse_args(argv=None):
         args.movielens_users, args.lamp_users, args.qnn_steps, args.max_test_items = 1, 1, 0, 8
         args.seeds, args.mezo_lrs = args.seeds[:1], args.mezo_lrs[:2]
     args.mezo_lr = args.mezo_lrs[0]  # until the sweep chooses (main)
+    if args.methods is None:
+        from optimum_pact.precision.compute_dtype import native_bf16
+
+        args.methods = [m for m in METHODS if m != "cpu_bf16" or native_bf16()]
     if (args.lamp_questions is None) != (args.lamp_outputs is None):
         parser.error("--lamp-questions and --lamp-outputs go together: the questions and their gold outputs")
     for name in ("steps", "batch", "items_per_user", "movielens_users", "lamp_users"):
@@ -536,6 +545,8 @@ def main(argv=None) -> dict:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     methods = [m for m in METHODS if m in args.methods]
+    if "--methods" not in argv and "cpu_bf16" not in methods:
+        log("cpu_bf16 left out: this CPU has no native bf16 (emulated, a step takes ~22x fp32's); --methods runs it")
     if "mezo" in methods and "pact" in methods:  # MeZO gets PACT's wall-clock: run PACT first
         methods.remove("mezo")
         methods.insert(methods.index("pact") + 1, "mezo")
@@ -552,6 +563,12 @@ def main(argv=None) -> dict:
     previous = resumed(args, out)
     piece = {k: results[k] for k in ("machine", "date")}  # a resumed run may span days (and machines): each piece
     results["pieces"] = [*previous.get("pieces", []), piece]
+
+    def stamp(complete: bool) -> None:  # this sitting's wall-clock, the run's so far, and save
+        piece["wall_s"] = time.perf_counter() - start
+        results["wall_s"], results["complete"] = previous.get("wall_s", 0.0) + piece["wall_s"], complete
+        save(results, out)
+
     if "mezo" in methods:
         results["mezo_sweep"] = previous.get("mezo_sweep") or sweep_mezo_lr(path, tokenizer, args)
         args.mezo_lr = results["config"]["mezo_lr"] = results["mezo_sweep"]["lr"]
@@ -559,9 +576,7 @@ def main(argv=None) -> dict:
 
         def on_user(workload, name=name):  # a crash (or ^C) keeps every finished user and seed: see --resume
             results["workloads"][name] = workload
-            piece["wall_s"] = time.perf_counter() - start
-            results["wall_s"], results["complete"] = previous.get("wall_s", 0.0) + piece["wall_s"], False
-            save(results, out)
+            stamp(complete=False)
 
         kept = previous.get("workloads", {}).get(name, {}).get("users", {})
         results["workloads"][name] = run_workload(name, tasks, path, tokenizer, args, methods, kept, on_user)
@@ -581,9 +596,7 @@ def main(argv=None) -> dict:
     kept_memory = {m: peak for m, peak in previous.get("memory", {}).items() if m in methods}
     todo = [m for m in methods if m not in kept_memory] if args.memory else []
     results["memory"] = {**kept_memory, **measure_memory(todo, child_argv)}
-    piece["wall_s"] = time.perf_counter() - start
-    results["wall_s"], results["complete"] = previous.get("wall_s", 0.0) + piece["wall_s"], True
-    save(results, out)
+    stamp(complete=True)
     results["plots"] = report.plot(results, out)
     summary = {k: results[k] for k in ("bench", "date", "wall_s", "summary", "targets", "plots")}
     summary["qnn_agreement"] = results.get("qnn_agreement", {})
