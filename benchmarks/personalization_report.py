@@ -80,7 +80,10 @@ def markdown_table(results: dict) -> str:
         "",
     ]
     if results.get("complete") is False:
-        lines[-1:] = ["PARTIAL: an interrupted run; means over the users and seeds run so far (--resume ends it).", ""]
+        runs = [len(m["seeds"]) for w in results["workloads"].values() for u in w["users"].values()
+                for m in [u["methods"].get("pact", next(iter(u["methods"].values())))]]  # fmt: skip
+        done = f"{sum(runs)} of {len(runs) * len(config.get('seeds', [0]))} user-seeds"
+        lines[-1:] = [f"PARTIAL: an interrupted run ({done}); means over what has run (--resume ends it).", ""]
     for name, rows in results["summary"].items():
         n = next(iter(rows.values()))["users"] if rows else 0
         lines += [f"**{name}** ({n} users; means over users of each user's mean over seeds)", "",

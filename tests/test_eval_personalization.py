@@ -280,6 +280,8 @@ def test_resume_keeps_finished_runs_and_saves_after_each_user(tmp_path):
     personalization_report.summarize(partial)
     assert partial["summary"]["nightly"]["pact"]["users"] == 1  # u2 has not run yet
     assert partial["targets"]["nightly"]["pact_vs_fp32"]["users"] == 1
+    partial.update(config=config, date="2026-12-02", machine="x86_64", complete=False)
+    assert "PARTIAL: an interrupted run (2 of 4 user-seeds)" in personalization_report.markdown_table(partial)
 
 
 def test_resume_refuses_results_of_other_settings(tmp_path):
