@@ -139,16 +139,21 @@ def build(method: str, path: str, args, seed: int, backend: str = "torch", compi
     return model
 
 
-def batches(tokenizer, items: list[dict], steps: int, batch_size: int, seed: int) -> list[dict]:
-    """The same `steps` padded batches for every method: epochs over the items, each in a seeded order."""
-    import random
-
+def tokenized(tokenizer, items: list[dict]):
+    """The items as the main job tokenizes them (loss on the tag only), and the collator that pads a list of them."""
     from transformers import DataCollatorForSeq2Seq
 
     from optimum_pact.commands.finetune import tokenize_examples
 
-    rows = tokenize_examples(tokenizer, items)
     collate = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+    return tokenize_examples(tokenizer, items), collate
+
+
+def batches(tokenizer, items: list[dict], steps: int, batch_size: int, seed: int) -> list[dict]:
+    """The same `steps` padded batches for every method: epochs over the items, each in a seeded order."""
+    import random
+
+    rows, collate = tokenized(tokenizer, items)
     order, rng = [], random.Random(seed)
     while len(order) < steps * batch_size:
         epoch = list(range(len(rows)))
@@ -193,12 +198,8 @@ def evaluate(model, tokenizer, task) -> dict:
 def heldout_loss(model, tokenizer, items: list[dict], batch_size: int) -> float:
     """Mean loss per label token on `items` (the user's later ones): a validation score finer than accuracy."""
     import torch
-    from transformers import DataCollatorForSeq2Seq
 
-    from optimum_pact.commands.finetune import tokenize_examples
-
-    rows = tokenize_examples(tokenizer, items)
-    collate = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+    rows, collate = tokenized(tokenizer, items)
     model.eval()
     total, tokens = 0.0, 0
     with torch.no_grad():
@@ -476,6 +477,8 @@ def parse_args(argv=None):
         from optimum_pact.precision.compute_dtype import native_bf16
 
         args.methods = [m for m in METHODS if m != "cpu_bf16" or native_bf16()]
+        if "cpu_bf16" not in args.methods and not args.memory_child:
+            log("cpu_bf16 left out: no native bf16 on this CPU (emulated: ~22x fp32's step); --methods runs it")
     if (args.lamp_questions is None) != (args.lamp_outputs is None):
         parser.error("--lamp-questions and --lamp-outputs go together: the questions and their gold outputs")
     for name in ("steps", "batch", "items_per_user", "movielens_users", "lamp_users"):
@@ -545,8 +548,6 @@ def main(argv=None) -> dict:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     methods = [m for m in METHODS if m in args.methods]
-    if "--methods" not in argv and "cpu_bf16" not in methods:
-        log("cpu_bf16 left out: this CPU has no native bf16 (emulated, a step takes ~22x fp32's); --methods runs it")
     if "mezo" in methods and "pact" in methods:  # MeZO gets PACT's wall-clock: run PACT first
         methods.remove("mezo")
         methods.insert(methods.index("pact") + 1, "mezo")

@@ -80,8 +80,8 @@ def markdown_table(results: dict) -> str:
         "",
     ]
     if results.get("complete") is False:
-        runs = [len(m["seeds"]) for w in results["workloads"].values() for u in w["users"].values()
-                for m in [u["methods"].get("pact", next(iter(u["methods"].values())))]]  # fmt: skip
+        users = [u["methods"] for w in results["workloads"].values() for u in w["users"].values()]
+        runs = [len(m.get("pact", next(iter(m.values())))["seeds"]) for m in users]
         done = f"{sum(runs)} of {len(runs) * len(config.get('seeds', [0]))} user-seeds"
         lines[-1:] = [f"PARTIAL: an interrupted run ({done}); means over what has run (--resume ends it).", ""]
     for name, rows in results["summary"].items():

@@ -152,7 +152,7 @@ def test_table_is_written_from_a_results_file(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_default_methods_leave_out_emulated_bf16(monkeypatch, native):
+def test_default_methods_leave_out_emulated_bf16(monkeypatch, capsys, native):
     """Where bf16 is emulated the stock bf16 baseline is 22x slower than fp32 (no user would pick it): the default
     list leaves it out; naming it runs it anyway."""
     import eval_personalization
@@ -162,7 +162,10 @@ def test_default_methods_leave_out_emulated_bf16(monkeypatch, native):
     monkeypatch.setattr(compute_dtype, "native_bf16", lambda: native)
     methods = eval_personalization.parse_args([]).methods
     assert [m for m in eval_personalization.METHODS if m not in methods] == ([] if native else ["cpu_bf16"])
+    assert ("cpu_bf16 left out" in capsys.readouterr().err) is not native  # said where it is decided
     assert "cpu_bf16" in eval_personalization.parse_args(["--methods", "cpu_bf16", "pact"]).methods
+    assert eval_personalization.parse_args(["--methods=pact"]).methods == ["pact"]
+    assert "left out" not in capsys.readouterr().err  # naming the methods: nothing left out behind the user's back
 
 
 def test_lamp_files_go_together():
