@@ -395,8 +395,9 @@ def resumed(args, out: Path) -> dict:
     if not args.resume or not saved.exists():
         return {}
     previous = json.loads(saved.read_text())
-    ignore = ("resume", "memory", "mezo_lr", "qnn_steps")  # what may change between the pieces of one run (fewer
-    # --methods may not: saving would drop the kept runs of the others)
+    ignore = ("resume", "memory", "mezo_lr", "qnn_steps", "dtype")  # what may change between the pieces of one run
+    # (fewer --methods may not: saving would drop the kept runs of the others); --dtype as typed may, for what it
+    # resolved to, compute_dtype, is compared: `auto` is fp32 on one CPU and bf16 on another
     mine = {k: v for k, v in vars(args).items() if k not in ("table", "output", *ignore)}
     theirs = {k: v for k, v in previous["config"].items() if k not in ignore}
     resume.check_settings(saved, theirs, mine)
@@ -473,6 +474,9 @@ def parse_args(argv=None):
         args.movielens_users, args.lamp_users, args.qnn_steps, args.max_test_items = 1, 1, 0, 8
         args.seeds, args.mezo_lrs = args.seeds[:1], args.mezo_lrs[:2]
     args.mezo_lr = args.mezo_lrs[0]  # until the sweep chooses (main)
+    from optimum_pact.precision import resolve_dtype
+
+    args.compute_dtype = str(resolve_dtype(args.dtype)).removeprefix("torch.")  # what `auto` is on this CPU
     if args.methods is None:
         from optimum_pact.precision.compute_dtype import native_bf16
 

@@ -70,12 +70,27 @@ def _fmt(value, pattern: str) -> str:
     return "-" if value is None else pattern.format(value)
 
 
+def measured(results: dict) -> str:
+    """When and where: each machine of a run resumed over sittings, with the dates of its sittings."""
+    pieces = results.get("pieces") or [results]
+    machines = {}
+    for piece in pieces:
+        machines.setdefault(piece["machine"], []).append(piece["date"])
+    return " and ".join(f"{', '.join(sorted(set(dates)))} on {machine}" for machine, dates in machines.items())
+
+
+def compute_dtype(config: dict) -> str:
+    dtype = config.get("dtype", "bf16")
+    resolved = config.get("compute_dtype")
+    return f"{resolved} ({dtype})" if resolved and resolved != dtype else dtype
+
+
 def markdown_table(results: dict) -> str:
     config = results["config"]
     lines = [
-        f"Measured {results['date']} on {results['machine']}; SmolLM2-135M-Instruct, LoRA r={config['r']}, "
+        f"Measured {measured(results)}; SmolLM2-135M-Instruct, LoRA r={config['r']}, "
         f"{config['steps']} steps of {config['batch']} per adapter, lr {config['lr']}, "
-        f"seeds {config.get('seeds', [config.get('seed')])}, compute dtype {config.get('dtype', 'bf16')}, "
+        f"seeds {config.get('seeds', [config.get('seed')])}, compute dtype {compute_dtype(config)}, "
         f"MeZO lr {config.get('mezo_lr', '-')}.",
         "",
     ]

@@ -215,7 +215,8 @@ def test_quick_mode_runs_end_to_end(tmp_path):
     ]
     results = eval_personalization.main(
         ["--quick", "--output", str(tmp_path), "--workloads", "nightly", "movielens", *lamp_args,
-         "--methods", *eval_personalization.METHODS]  # cpu_bf16 too, even where bf16 is emulated: tiny sizes
+         "--methods", *eval_personalization.METHODS,  # cpu_bf16 too, even where bf16 is emulated: tiny sizes
+         "--dtype", "float32"]  # the exactness check below is to fp32's summation order (bf16's is ~1e-2)
     )  # fmt: skip
     assert set(results["workloads"]) == {"nightly", "movielens", "lamp2"}
     assert list(results["workloads"]["lamp2"]["users"]) == ["110"]  # --quick: the first question only
@@ -285,6 +286,10 @@ def test_resume_keeps_finished_runs_and_saves_after_each_user(tmp_path):
     assert partial["targets"]["nightly"]["pact_vs_fp32"]["users"] == 1
     partial.update(config=config, date="2026-12-02", machine="x86_64", complete=False)
     assert "PARTIAL: an interrupted run (2 of 4 user-seeds)" in personalization_report.markdown_table(partial)
+    partial["pieces"] = [{"date": "2026-12-02", "machine": "EPYC; avx512_bf16=False"},
+                         {"date": "2026-12-03", "machine": "EPYC; avx512_bf16=True"}]  # fmt: skip
+    header = personalization_report.markdown_table(partial).splitlines()[0]
+    assert "2026-12-02 on EPYC; avx512_bf16=False and 2026-12-03 on EPYC; avx512_bf16=True;" in header
 
 
 def test_resume_refuses_results_of_other_settings(tmp_path):
@@ -296,3 +301,22 @@ def test_resume_refuses_results_of_other_settings(tmp_path):
     with pytest.raises(SystemExit, match="'steps': \\(30, 20\\)"):
         eval_personalization.resumed(eval_personalization.parse_args(["--steps", "20", "--resume"]), tmp_path)
     assert eval_personalization.resumed(eval_personalization.parse_args(["--steps", "20"]), tmp_path) == {}
+
+
+def test_resume_compares_the_dtype_auto_resolved_to(tmp_path, monkeypatch):
+    """`auto` was fp32 on the CPU of the first sitting and is bf16 on this one: resuming would mix bf16 runs into
+    an fp32 table, so it is refused naming compute_dtype; `--dtype float32` resumes it."""
+    import eval_personalization
+
+    from optimum_pact.precision import compute_dtype
+
+    monkeypatch.setattr(compute_dtype, "native_bf16", lambda: False)
+    saved = eval_personalization.parse_args(["--methods", "fp32", "pact"])
+    config = {k: v for k, v in vars(saved).items() if k not in ("table", "output")}
+    assert config["compute_dtype"] == "float32"
+    (tmp_path / "results.json").write_text(json.dumps({"config": config, "workloads": {}}))
+    monkeypatch.setattr(compute_dtype, "native_bf16", lambda: True)
+    now = ["--methods", "fp32", "pact", "--output", str(tmp_path), "--resume"]
+    with pytest.raises(SystemExit, match=r"'compute_dtype': \('float32', 'bfloat16'\)"):
+        eval_personalization.resumed(eval_personalization.parse_args(now), tmp_path)
+    assert eval_personalization.resumed(eval_personalization.parse_args([*now, "--dtype", "float32"]), tmp_path)
