@@ -371,7 +371,6 @@ def main() -> None:
 
     from optimum_pact.cache import cache_dir
     from optimum_pact.commands.default_model import ensure_default_model
-    from optimum_pact.precision import resolve_dtype
 
     path = args.model or str(ensure_default_model())
     out = Path(args.output) if args.output else cache_dir("aqlora", "accuracy-quick" if args.quick else "accuracy")
@@ -380,8 +379,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(path)
     config = {k: getattr(args, k) for k in ("steps", "batch", "lr", "r", "test_size", "dtype", "protect_fraction",
                                             "rank_by", "adapt_top_blocks", "quick")}  # fmt: skip
-    config["dtype"] = str(resolve_dtype(args.dtype)).removeprefix("torch.")  # what ran: `auto` is fp32 on one CPU,
-    # bf16 on another, and --resume must not mix them
+    config["dtype"] = resume.ran_dtype(args.dtype)  # what ran, so that --resume does not mix fp32 and bf16 seeds
     args.output_dir = out
     saved = out / "results.json"
     previous = json.loads(saved.read_text()) if args.resume and saved.exists() else {}

@@ -474,9 +474,7 @@ def parse_args(argv=None):
         args.movielens_users, args.lamp_users, args.qnn_steps, args.max_test_items = 1, 1, 0, 8
         args.seeds, args.mezo_lrs = args.seeds[:1], args.mezo_lrs[:2]
     args.mezo_lr = args.mezo_lrs[0]  # until the sweep chooses (main)
-    from optimum_pact.precision import resolve_dtype
-
-    args.compute_dtype = str(resolve_dtype(args.dtype)).removeprefix("torch.")  # what `auto` is on this CPU
+    args.compute_dtype = resume.ran_dtype(args.dtype)
     if args.methods is None:
         from optimum_pact.precision.compute_dtype import native_bf16
 
