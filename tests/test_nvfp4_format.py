@@ -1,10 +1,13 @@
-"""NVFP4 numerics at three levels: exact bit tables, exact equality with torchao, SQNR."""
+"""NVFP4 numerics at three levels: exact bit tables, exact equality with torchao (the "6" scale rule), SQNR; and what
+the default "4/6" scale rule chooses."""
 
 import pytest
 import torch
 
 from optimum_pact.nvfp4 import (
+    BLOCK_SIZE,
     E2M1_VALUES,
+    SCALE_RULES,
     dequantize_reference,
     fake_quantize,
     float_to_e2m1,
@@ -58,7 +61,7 @@ def test_pack_low_nibble_first():
 def test_quantize_matches_torchao_bit_for_bit(torchao_quantize, shape, dtype):
     torch.manual_seed(sum(shape))
     weight = (torch.randn(shape) * torch.rand(shape[0], 1) * 4).to(dtype)
-    q = quantize(weight)
+    q = quantize(weight, scale_rule="6")
     qdata, scale, scale_2 = torchao_quantize(weight)
     assert torch.equal(q.qdata, qdata)
     assert torch.equal(q.scale.view(torch.uint8), scale.view(torch.uint8))
@@ -127,7 +130,7 @@ def test_block_with_one_huge_outlier_matches_torchao(torchao_quantize):
     torch.manual_seed(0)
     w = torch.randn(8, 64) * 1e-2
     w[3, 5] = 1e4
-    q = quantize(w)
+    q = quantize(w, scale_rule="6")
     qdata, scale, _ = torchao_quantize(w)
     assert torch.equal(q.qdata, qdata) and torch.equal(q.scale.view(torch.uint8), scale.view(torch.uint8))
 
@@ -139,16 +142,18 @@ def _weight(shape, dtype):
     return w.to(dtype)
 
 
+@pytest.mark.parametrize("scale_rule", SCALE_RULES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(64, 128), (96, 208), (7, 48), (33, 16)])
-def test_fake_quantize_is_bit_exact_with_the_reference(shape, dtype):
+def test_fake_quantize_is_bit_exact_with_the_reference(shape, dtype, scale_rule):
     w = _weight(shape, dtype)
-    q = quantize(w)
+    q = quantize(w, scale_rule)
     expected = dequantize_reference(q.qdata, q.scale, q.scale_2)
-    assert torch.equal(fake_quantize(w), expected)
+    assert torch.equal(fake_quantize(w, scale_rule=scale_rule), expected)
     assert torch.equal(tensor_scale(w), q.scale_2)
     # slices of rows with the whole weight's scale_2 (the amax sits in the last row) give the same rows
-    rows = [fake_quantize(w[start : start + 5], tensor_scale(w)) for start in range(0, shape[0], 5)]
+    whole = tensor_scale(w)
+    rows = [fake_quantize(w[start : start + 5], whole, scale_rule) for start in range(0, shape[0], 5)]
     assert torch.equal(torch.cat(rows), expected)
     assert torch.equal(fake_quantize(torch.zeros(4, 32)), torch.zeros(4, 32))
     with pytest.raises(ValueError, match="multiple of 16"):
@@ -163,3 +168,48 @@ def test_fast_e2m1_rounding_is_exact_at_every_tie():
     expected = e2m1_table()[float_to_e2m1(y).long()]
     got = _e2m1_round(y)
     assert torch.equal(got, expected) and torch.equal(got.signbit(), expected.signbit())
+
+
+def test_four_over_six_maps_a_block_of_near_maximal_values_to_4():
+    # amax 21, so scale_2 = 21 / 2688 = 2**-7 and the first block's candidates are exact e4m3 scales: 128 (6) and 192
+    # (4). Under "6" its fives tie between 4 and 6 and go to 4 (even code), one unit off each; mapped to 4 they become
+    # 3.33 -> 3 -> 4.5, half a unit off, and 6 stays exact. The second block holds the amax: its 4-candidate (672)
+    # stops at e4m3's 448, the 6-candidate's scale, so it stays at 6.
+    w = torch.tensor([[5.0] * 15 + [6.0], [0.0] * 15 + [21.0]])
+    assert fake_quantize(w, scale_rule="6").tolist() == [[4.0] * 15 + [6.0], [0.0] * 15 + [21.0]]
+    assert fake_quantize(w).tolist() == [[4.5] * 15 + [6.0], [0.0] * 15 + [21.0]]
+    q = quantize(w)
+    assert q.scale.float().tolist() == [[192.0], [448.0]] and q.scale_2.item() == 2**-7
+    # a block on E2M1's own grid (times 448 * scale_2, scale_2 = 2**-12) is exact under 6, and a tie keeps 6
+    exact = torch.tensor([[0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0] * 2]) * (448 * 2**-12)
+    assert torch.equal(fake_quantize(exact), exact) and quantize(exact).scale.float().tolist() == [[448.0]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_four_over_six_takes_the_better_of_the_two_scales_in_every_block(dtype):
+    torch.manual_seed(0)
+    w = (torch.randn(64, 256) * torch.rand(64, 1) * 3).to(dtype)
+    w[5, 7] = 40.0  # an outlier: its block's 4-candidate scale (672) stops at 448, the 6-candidate's
+    scale_2 = tensor_scale(w)  # the same under both rules: amax / (6 * 448)
+
+    def block_error(recon):
+        return (recon - w.float()).reshape(64, -1, BLOCK_SIZE).square().sum(-1)
+
+    six = block_error(fake_quantize(w, scale_2, "6"))
+    chosen = block_error(fake_quantize(w, scale_2, "4/6"))
+    block_amax = w.float().reshape(64, -1, BLOCK_SIZE).abs().amax(-1)
+    four_scale = (block_amax / 4 / scale_2).clamp(max=448).to(torch.float8_e4m3fn).float()
+    scale = quantize(w).scale.float()
+    took_four = scale != (block_amax / 6 / scale_2).to(torch.float8_e4m3fn).float()
+    assert torch.equal(scale[took_four], four_scale[took_four])  # each block took one of the two candidates
+    assert torch.equal(chosen[~took_four], six[~took_four])
+    assert (chosen[took_four] < six[took_four]).all()  # ... 4 only where it is strictly better
+    assert 0.2 < took_four.float().mean() < 0.8  # both happen on a Gaussian weight
+    sqnr = lambda err: 10 * torch.log10(w.float().square().sum() / err.sum()).item()  # noqa: E731
+    assert sqnr(chosen) > sqnr(six) + 0.5, (sqnr(chosen), sqnr(six))
+
+
+@pytest.mark.parametrize("call", [quantize, fake_quantize])
+def test_unknown_scale_rule_is_a_clear_error(call):
+    with pytest.raises(ValueError, match=r"scale_rule='8' is not an NVFP4 scale rule; choose one of '4/6', '6'"):
+        call(torch.randn(4, 32), scale_rule="8")

@@ -1,11 +1,20 @@
 """NVFP4: FP4 E2M1 elements, one FP8 E4M3 scale per 16 elements along K, one FP32 scale per tensor.
 
-Numerics follow torchao's `nvfp4_quantize` (two-level scaling) and the ModelOpt checkpoint layout:
+The layout is the ModelOpt checkpoint layout, and the two-level scaling follows torchao's `nvfp4_quantize`:
 
 * `scale_2 = amax / (6 * 448)` (FP32, per tensor)
-* `scale = e4m3(clamp(block_amax / 6 / scale_2, min=E4M3_TINY, max=448))` (one per block of 16)
+* `scale = e4m3(clamp(block_amax / m / scale_2, min=E4M3_TINY, max=448))` (one per block of 16)
 * `code = e2m1(clamp(w * ((1 / scale_2) / fp32(scale)), -6, 6))`, round half to even
 * element `2i` of a row sits in the LOW nibble of byte `i`.
+
+`m`, the E2M1 value a block's largest magnitude maps to, is the scale rule (`SCALE_RULES`): `"6"` maps every block
+to 6, as torchao and ModelOpt do (bit for bit); `"4/6"`, the default, is Four Over Six (Cook et al., 2025,
+arXiv:2512.02010): each block takes 4 or 6, whichever reconstructs it with the smaller squared error. The tensor
+scale stays torchao's, so a block above 2/3 of the tensor's amax cannot reach 4 (its scale stops at 448) and takes
+6 or that clamped scale (their reference lowers the tensor scale's 448 to 256 instead, so every block can reach 4).
+E2M1 has no value between 4 and 6: under "6" an element at 5/6 of its block's largest magnitude comes back 20% off,
+mapped to 4 it is 10% off. Only the quantizer chooses: the bytes are plain NVFP4 and every dequantizer reads them
+unchanged.
 
 Dequantization is `fp32(fp32(E2M1[code] * fp32(scale)) * scale_2)`, then a cast to the compute dtype.
 `E2M1[code] * fp32(scale)` is exact in FP32, so this equals torchao's `(E2M1 * scale) * scale_2` bit for bit.
@@ -24,6 +33,7 @@ BLOCK_SIZE = 16
 F4_E2M1_MAX = 6.0
 F8E4M3_MAX = 448.0
 E4M3_TINY = torch.finfo(torch.float8_e4m3fn).tiny  # 2**-6, torchao's E4M3_EPS
+SCALE_RULES = ("4/6", "6")  # the E2M1 value a block's largest magnitude maps to; the first is the default
 
 # The 16 E2M1 values in code order: sign bit 3, exponent bits 2-1, mantissa bit 0.
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -69,22 +79,43 @@ def _check_weight(weight: torch.Tensor) -> None:
 
 
 def tensor_scale(weight: torch.Tensor) -> torch.Tensor:
-    """The per-tensor scale `scale_2 = amax / (6 * 448)`, an fp32 scalar; 1 for an all-zero weight (not 0, which
-    would make every block scale 0 / 0)."""
+    """The per-tensor scale `scale_2 = amax / (6 * 448)`, an fp32 scalar, under either scale rule; 1 for an all-zero
+    weight (not 0, which would make every block scale 0 / 0)."""
     amax = weight.detach().abs().amax().float()
     return amax / (F8E4M3_MAX * F4_E2M1_MAX) if amax > 0 else torch.ones((), dtype=torch.float32)
 
 
+def check_scale_rule(scale_rule: str) -> None:
+    if scale_rule not in SCALE_RULES:
+        raise ValueError(
+            f"scale_rule={scale_rule!r} is not an NVFP4 scale rule; choose one of {', '.join(map(repr, SCALE_RULES))} "
+            '("6" is torchao\'s and ModelOpt\'s quantizer bit for bit, "4/6" Four Over Six).'
+        )
+
+
+def _block_scales(block_amax: torch.Tensor, scale_2: torch.Tensor, target: float) -> torch.Tensor:
+    """e4m3 block scales (held in fp32) that map each block's largest magnitude to `target`."""
+    scale = (block_amax / target / scale_2).clamp(min=E4M3_TINY, max=F8E4M3_MAX)
+    return scale.to(torch.float8_e4m3fn).float()
+
+
+def _scaled(w: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
+    reciprocal = (1.0 / scale_2) / scale
+    return (w * reciprocal.unsqueeze(-1)).clamp(-F4_E2M1_MAX, F4_E2M1_MAX)
+
+
 def scale_blocks(
-    weight: torch.Tensor, scale_2: torch.Tensor | None = None
+    weight: torch.Tensor, scale_2: torch.Tensor | None = None, scale_rule: str = SCALE_RULES[0]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The two-level scaling `quantize` and `fake_quantize` share: checks the weight [N, K], then returns the block
     scales [N, K/16] (e4m3 values, held in fp32), the fp32 elements scaled into [-6, 6] as blocks [N, K/16, 16],
     and `scale_2`.
 
     `scale_2` defaults to `tensor_scale(weight)`; pass the whole weight's when `weight` is a slice of its rows.
+    `scale_rule` as in the module docstring; under "4/6" a tie in squared error keeps 6.
     """
     _check_weight(weight)
+    check_scale_rule(scale_rule)
     n, k = weight.shape
     w = weight.detach().float().reshape(n, k // BLOCK_SIZE, BLOCK_SIZE)
     block_amax = w.abs().amax(dim=-1)
@@ -93,10 +124,21 @@ def scale_blocks(
         raise ValueError("NVFP4 cannot quantize a weight holding NaN or inf values; fix or exclude this layer.")
     if scale_2 is None:
         scale_2 = tensor_scale(amax)
-    scale = (block_amax / F4_E2M1_MAX / scale_2).clamp(min=E4M3_TINY, max=F8E4M3_MAX)
-    scale = scale.to(torch.float8_e4m3fn).float()
-    reciprocal = (1.0 / scale_2) / scale
-    return scale, (w * reciprocal.unsqueeze(-1)).clamp(-F4_E2M1_MAX, F4_E2M1_MAX), scale_2
+    scale = _block_scales(block_amax, scale_2, F4_E2M1_MAX)
+    scaled = _scaled(w, scale, scale_2)
+    if scale_rule == "4/6":
+        four = _block_scales(block_amax, scale_2, 4.0)
+        scaled_four = _scaled(w, four, scale_2)
+        error = _block_error(w, scaled, scale, scale_2)
+        better = _block_error(w, scaled_four, four, scale_2) < error
+        scale = torch.where(better, four, scale)
+        scaled = torch.where(better.unsqueeze(-1), scaled_four, scaled)
+    return scale, scaled, scale_2
+
+
+def _block_error(w: torch.Tensor, scaled: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
+    """Squared error of each block's reconstruction, the dequantizer's arithmetic: [N, K/16]."""
+    return ((_e2m1_round(scaled) * scale.unsqueeze(-1)) * scale_2).sub_(w).square_().sum(dim=-1)
 
 
 def _e2m1_round(x: torch.Tensor) -> torch.Tensor:
@@ -110,13 +152,15 @@ def _e2m1_round(x: torch.Tensor) -> torch.Tensor:
     return torch.round(mag / step).mul_(step).copysign_(x)
 
 
-def fake_quantize(weight: torch.Tensor, scale_2: torch.Tensor | None = None) -> torch.Tensor:
+def fake_quantize(
+    weight: torch.Tensor, scale_2: torch.Tensor | None = None, scale_rule: str = SCALE_RULES[0]
+) -> torch.Tensor:
     """What NVFP4 makes of `weight`, as fp32 [N, K]: `dequantize_reference(q.qdata, q.scale, q.scale_2)` for
     `q = quantize(weight)`, bit for bit, without forming or packing any code.
 
     `scale_2` as in `scale_blocks`: a caller can go through a big weight in slices of rows with the whole one's scale.
     """
-    scale, scaled, scale_2 = scale_blocks(weight, scale_2)
+    scale, scaled, scale_2 = scale_blocks(weight, scale_2, scale_rule)
     return ((_e2m1_round(scaled) * scale.unsqueeze(-1)) * scale_2).reshape(weight.shape)
 
 

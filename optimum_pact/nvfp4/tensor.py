@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .format import F4_E2M1_MAX, float_to_e2m1, pack_e2m1, scale_blocks
+from .format import F4_E2M1_MAX, SCALE_RULES, float_to_e2m1, pack_e2m1, scale_blocks
 from .kernels import dequantize
 
 
@@ -41,8 +41,8 @@ class NVFP4Tensor:
 
 
 @torch.no_grad()
-def quantize(weight: torch.Tensor) -> NVFP4Tensor:
-    """Quantize a 2-D weight [N, K] to NVFP4 (K must be a multiple of 16)."""
-    scale, scaled, scale_2 = scale_blocks(weight)
+def quantize(weight: torch.Tensor, scale_rule: str = SCALE_RULES[0]) -> NVFP4Tensor:
+    """Quantize a 2-D weight [N, K] to NVFP4 (K must be a multiple of 16); `scale_rule` as in `format.py`."""
+    scale, scaled, scale_2 = scale_blocks(weight, scale_rule=scale_rule)
     codes = pack_e2m1(float_to_e2m1(scaled.reshape(weight.shape)))
     return NVFP4Tensor(codes, scale.to(torch.float8_e4m3fn), scale_2)  # exact: the scales are e4m3 values
