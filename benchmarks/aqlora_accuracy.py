@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import resume  # noqa: E402
 import strategyqa  # noqa: E402  (the data preparation beside this script)
 
+from optimum_pact.nvfp4 import SCALE_RULES  # noqa: E402
 from optimum_pact.precision.compute_dtype import DTYPES  # noqa: E402
 
 ARMS = ("base", "lora_fp32", "qlora_nf4", "pact", "aqlora_quality", "aqlora_speed", "aqlora_random",
@@ -380,6 +381,7 @@ def main() -> None:
     config = {k: getattr(args, k) for k in ("steps", "batch", "lr", "r", "test_size", "dtype", "protect_fraction",
                                             "rank_by", "adapt_top_blocks", "quick")}  # fmt: skip
     config["dtype"] = resume.ran_dtype(args.dtype)  # what ran, so that --resume does not mix fp32 and bf16 seeds
+    config["nvfp4_scale_rule"] = SCALE_RULES[0]  # every arm but fp32 / nf4 stands on it: nor mix rules
     args.output_dir = out
     saved = out / "results.json"
     previous = json.loads(saved.read_text()) if args.resume and saved.exists() else {}

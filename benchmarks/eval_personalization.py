@@ -27,6 +27,9 @@ fresh process.
     python benchmarks/eval_personalization.py --table results.json   # print the README table of a past run
     python benchmarks/eval_personalization.py --resume   # finish an interrupted run (results.json is saved per user)
 
+Every run, memory probe and qnn check on the NVFP4 base records the NVFP4 scale rule it ran under; --resume redoes
+those of another rule (a run saved before rules were recorded ran under "6") and keeps the others.
+
 Writes results.json, results.md (the table) and PNG plots to --output; stdout gets ONE JSON line (the summary).
 """
 
@@ -51,11 +54,25 @@ from optimum_pact.precision.compute_dtype import DTYPES  # noqa: E402
 
 METHODS = ("zero_shot", "majority", "shared", "cpu_bf16", "fp32", "qlora", "pact", "pact_exact", "mezo")
 SEEDLESS = ("zero_shot", "majority")  # nothing trained: run on the first seed, the same for the others
+NVFP4_METHODS = ("shared", "pact", "pact_exact")  # on the NVFP4 base: a kept run under another scale rule is redone
 SWEEP_USER = 10_000  # the generated user MeZO's learning rate is chosen on: never one of the evaluated users
 
 
 def log(*args) -> None:
     print("[eval]", *args, file=sys.stderr, flush=True)
+
+
+def scale_rule() -> str:
+    """The NVFP4 scale rule this code quantizes with (`optimum_pact.nvfp4.SCALE_RULES`, the first)."""
+    from optimum_pact.nvfp4 import SCALE_RULES
+
+    return SCALE_RULES[0]
+
+
+def stands(method: str, run: dict) -> bool:
+    """Whether a kept run (or memory probe) of `method` still holds: one on the NVFP4 base only under the scale rule
+    in use. Runs saved before the rule was recorded were made under "6", the only rule there was."""
+    return method not in NVFP4_METHODS or run.get("nvfp4_scale_rule", "6") == scale_rule()
 
 
 def memory_child(args) -> None:
@@ -88,7 +105,8 @@ def memory_child(args) -> None:
 
     run_method(method, task, path, tokenizer, data, args, seed, seconds=args.mezo_seconds, on_built=built)
     gib = {"idle_gib": idle, "load_peak_gib": marks["load"] - idle, "peak_gib": _status_bytes("VmHWM") - idle}
-    print(json.dumps({"method": method, **{k: v / 2**30 for k, v in gib.items()}}))
+    rule = {"nvfp4_scale_rule": scale_rule()} if method in NVFP4_METHODS else {}
+    print(json.dumps({"method": method, **{k: v / 2**30 for k, v in gib.items()}, **rule}))
 
 
 def measure_memory(methods, argv) -> dict:
@@ -319,7 +337,7 @@ def qnn_agreement(task, path: str, tokenizer, data, args) -> dict:
         steps.append({
             "torch_loss": losses[0].item(), "qnn_loss": losses[1].item(),
             "loss_rel_diff": abs(losses[1].item() - losses[0].item()) / abs(losses[0].item()),
-            "grad_cosine": torch.nn.functional.cosine_similarity(g_ref, g_npu, dim=0).item(),
+            "grad_cosine": torch.nn.functional.cosine_similarity(g_ref.double(), g_npu.double(), dim=0).item(),
             "grad_rel_error": ((g_npu - g_ref).norm() / g_ref.norm()).item(),
         })  # fmt: skip
         opt.step()
@@ -327,6 +345,7 @@ def qnn_agreement(task, path: str, tokenizer, data, args) -> dict:
         opt.zero_grad(set_to_none=True)
         npu.zero_grad(set_to_none=True)
     return {"user": f"{task.workload}/{task.user}", "steps": steps, "seconds": time.perf_counter() - start,
+            "nvfp4_scale_rule": scale_rule(),
             "max_loss_rel_diff": max(s["loss_rel_diff"] for s in steps),
             "min_grad_cosine": min(s["grad_cosine"] for s in steps)}  # fmt: skip
 
@@ -341,9 +360,14 @@ def run_workload(name: str, tasks, path: str, tokenizer, args, methods, kept: di
                     "golds": [i["label"] for i in task.test], "methods": {m: {"seeds": {}} for m in methods}}
         for task in tasks
     }  # fmt: skip
+    stale = 0
     for user, entry in users.items():
         for method, runs in entry["methods"].items():
-            runs["seeds"].update(kept.get(user, {}).get("methods", {}).get(method, {}).get("seeds", {}))
+            saved = kept.get(user, {}).get("methods", {}).get(method, {}).get("seeds", {})
+            runs["seeds"].update({seed: run for seed, run in saved.items() if stands(method, run)})
+            stale += len(saved) - len(runs["seeds"])
+    if stale:
+        log(f"{name}: {stale} kept runs on the NVFP4 base used another scale rule: redone under {scale_rule()!r}")
     for seed in args.seeds:
         todo = [t for t in tasks if any(seed not in users[t.user]["methods"][m]["seeds"] for m in methods)]
         if todo:
@@ -369,6 +393,8 @@ def run_workload(name: str, tasks, path: str, tokenizer, args, methods, kept: di
                 else:
                     seconds = runs.get("pact", {"seeds": {}})["seeds"].get(seed, {}).get("train_s", args.mezo_seconds)
                     run = run_method(method, task, path, tokenizer, data, args, seed, seconds=seconds)
+                if method in NVFP4_METHODS:
+                    run = {**run, "nvfp4_scale_rule": scale_rule()}
                 runs[method]["seeds"][seed] = run
                 log(f"{name}/{task.user} seed {seed} {method}: accuracy {run['accuracy']:.1%} macro-F1 "
                     f"{run['f1']:.3f} ({run.get('steps', 0)} steps, {run['train_s']:.1f} s)")  # fmt: skip
@@ -584,7 +610,7 @@ def main(argv=None) -> dict:
         kept = previous.get("workloads", {}).get(name, {}).get("users", {})
         results["workloads"][name] = run_workload(name, tasks, path, tokenizer, args, methods, kept, on_user)
         save(results, out)
-    if "qnn_agreement" in previous:
+    if "qnn_agreement" in previous and stands("pact", previous["qnn_agreement"]):
         results["qnn_agreement"] = previous["qnn_agreement"]
     elif args.qnn_steps and "pact" in methods and "nightly" in workloads:
         task = workloads["nightly"][0]
@@ -596,7 +622,7 @@ def main(argv=None) -> dict:
             log(f"qnn agreement failed: {err!r}")
             results["qnn_agreement"] = {"error": repr(err)}
     child_argv = [*argv, "--mezo-lrs", str(getattr(args, "mezo_lr", args.mezo_lrs[0]))]
-    kept_memory = {m: peak for m, peak in previous.get("memory", {}).items() if m in methods}
+    kept_memory = {m: peak for m, peak in previous.get("memory", {}).items() if m in methods and stands(m, peak)}
     todo = [m for m in methods if m not in kept_memory] if args.memory else []
     results["memory"] = {**kept_memory, **measure_memory(todo, child_argv)}
     stamp(complete=True)

@@ -79,6 +79,24 @@ def measured(results: dict) -> str:
     return " and ".join(f"{', '.join(sorted(set(dates)))} on {machine}" for machine, dates in machines.items())
 
 
+def scale_rules(results: dict) -> str:
+    """The NVFP4 scale rules the runs on the NVFP4 base used, e.g. "4/6", or "4/6 (6: 12 runs)" part way through a
+    --resume that redoes them; "6" where none was recorded (the only rule before rules were recorded); "" without
+    such runs."""
+    counts = {}
+    for workload in results.get("workloads", {}).values():
+        for user in workload["users"].values():
+            for method in ("shared", "pact", "pact_exact"):
+                for run in user["methods"].get(method, {}).get("seeds", {}).values():
+                    rule = run.get("nvfp4_scale_rule", "6")
+                    counts[rule] = counts.get(rule, 0) + 1
+    if not counts:
+        return ""
+    ranked = sorted(counts, key=counts.get, reverse=True)
+    others = "; ".join(f"{rule}: {counts[rule]} runs" for rule in ranked[1:])
+    return ranked[0] + (f" ({others})" if others else "")
+
+
 def compute_dtype(config: dict) -> str:
     dtype = config.get("dtype", "bf16")
     resolved = config.get("compute_dtype")
@@ -87,11 +105,12 @@ def compute_dtype(config: dict) -> str:
 
 def markdown_table(results: dict) -> str:
     config = results["config"]
+    rules = f", NVFP4 scale rule {rule}" if (rule := scale_rules(results)) else ""
     lines = [
         f"Measured {measured(results)}; SmolLM2-135M-Instruct, LoRA r={config['r']}, "
         f"{config['steps']} steps of {config['batch']} per adapter, lr {config['lr']}, "
         f"seeds {config.get('seeds', [config.get('seed')])}, compute dtype {compute_dtype(config)}, "
-        f"MeZO lr {config.get('mezo_lr', '-')}.",
+        f"MeZO lr {config.get('mezo_lr', '-')}{rules}.",
         "",
     ]
     if results.get("complete") is False:
