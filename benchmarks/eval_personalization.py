@@ -54,7 +54,7 @@ from optimum_pact.precision.compute_dtype import DTYPES  # noqa: E402
 
 METHODS = ("zero_shot", "majority", "shared", "cpu_bf16", "fp32", "qlora", "pact", "pact_exact", "mezo")
 SEEDLESS = ("zero_shot", "majority")  # nothing trained: run on the first seed, the same for the others
-NVFP4_METHODS = ("shared", "pact", "pact_exact")  # on the NVFP4 base: a kept run under another scale rule is redone
+NVFP4_METHODS = report.NVFP4_METHODS  # on the NVFP4 base: a kept run under another scale rule is redone
 SWEEP_USER = 10_000  # the generated user MeZO's learning rate is chosen on: never one of the evaluated users
 
 
@@ -71,8 +71,8 @@ def scale_rule() -> str:
 
 def stands(method: str, run: dict) -> bool:
     """Whether a kept run (or memory probe) of `method` still holds: one on the NVFP4 base only under the scale rule
-    in use. Runs saved before the rule was recorded were made under "6", the only rule there was."""
-    return method not in NVFP4_METHODS or run.get("nvfp4_scale_rule", "6") == scale_rule()
+    in use (`report.run_rule`)."""
+    return method not in NVFP4_METHODS or report.run_rule(run) == scale_rule()
 
 
 def memory_child(args) -> None:

@@ -79,6 +79,15 @@ def measured(results: dict) -> str:
     return " and ".join(f"{', '.join(sorted(set(dates)))} on {machine}" for machine, dates in machines.items())
 
 
+NVFP4_METHODS = ("shared", "pact", "pact_exact")  # the methods on the NVFP4 base, whose runs record its scale rule
+
+
+def run_rule(run: dict) -> str:
+    """The NVFP4 scale rule a run (or memory probe, or qnn check) on the NVFP4 base used: "6" where none is recorded,
+    the only rule before rules were recorded."""
+    return run.get("nvfp4_scale_rule", "6")
+
+
 def scale_rules(results: dict) -> str:
     """The NVFP4 scale rules the runs on the NVFP4 base used, e.g. "4/6", or "4/6 (6: 12 runs)" part way through a
     --resume that redoes them; "6" where none was recorded (the only rule before rules were recorded); "" without
@@ -86,10 +95,9 @@ def scale_rules(results: dict) -> str:
     counts = {}
     for workload in results.get("workloads", {}).values():
         for user in workload["users"].values():
-            for method in ("shared", "pact", "pact_exact"):
+            for method in NVFP4_METHODS:
                 for run in user["methods"].get(method, {}).get("seeds", {}).values():
-                    rule = run.get("nvfp4_scale_rule", "6")
-                    counts[rule] = counts.get(rule, 0) + 1
+                    counts[run_rule(run)] = counts.get(run_rule(run), 0) + 1
     if not counts:
         return ""
     ranked = sorted(counts, key=counts.get, reverse=True)
