@@ -138,15 +138,18 @@ def markdown_table(results: dict) -> str:
         for target, t in results["targets"].get(name, {}).items():
             se = f" +/- {t['se']:.1f}" if t["se"] is not None else ""
             verdict = "met" if t["met"] else "MISSED"
+            if t["se"] and abs(t["points"] - t["least"]) < t["se"]:
+                verdict += " (the target is within one SE of the mean: not resolved)"
             lines.append(f"\n{target}: {t['points']:+.1f}{se} points (target >= {t['least']:+.0f}): {verdict}")
         lines.append("")
     agreement = results.get("qnn_agreement")
     if agreement and "steps" in agreement:
         where = f"{len(agreement['steps'])} steps on {agreement['user']}, same parameters"
         diff = f"loss within {agreement['max_loss_rel_diff']:.2%}, adapter gradients cosine >= "
-        lines.append(
-            f"PACT on qnn (HTP emulator) vs the torch backend, {where}: {diff}{agreement['min_grad_cosine']:.4f}."
-        )
+        diff += f"{agreement['min_grad_cosine']:.6f}"
+        if "grad_rel_error" in agreement["steps"][0]:
+            diff += f", relative error <= {max(s['grad_rel_error'] for s in agreement['steps']):.2%}"
+        lines.append(f"PACT on qnn (HTP emulator) vs the torch backend, {where}: {diff}.")
     return "\n".join(lines).rstrip()
 
 
