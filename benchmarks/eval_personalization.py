@@ -50,6 +50,7 @@ import personalization_report as report  # noqa: E402
 import resume  # noqa: E402
 from bench_memory import _reset_hwm, _status_bytes, _trim  # noqa: E402  (VmRSS/VmHWM helpers, one copy)
 
+from optimum_pact.nvfp4 import SCALE_RULES  # noqa: E402
 from optimum_pact.precision.compute_dtype import DTYPES  # noqa: E402
 
 METHODS = ("zero_shot", "majority", "shared", "cpu_bf16", "fp32", "qlora", "pact", "pact_exact", "mezo")
@@ -64,8 +65,6 @@ def log(*args) -> None:
 
 def scale_rule() -> str:
     """The NVFP4 scale rule this code quantizes with (`optimum_pact.nvfp4.SCALE_RULES`, the first)."""
-    from optimum_pact.nvfp4 import SCALE_RULES
-
     return SCALE_RULES[0]
 
 

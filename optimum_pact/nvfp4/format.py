@@ -136,9 +136,14 @@ def scale_blocks(
     return scale, scaled, scale_2
 
 
+def _reconstructed(scaled: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
+    """What the dequantizer makes of scaled blocks [N, K/16, 16], with its arithmetic, in fp32."""
+    return (_e2m1_round(scaled) * scale.unsqueeze(-1)) * scale_2
+
+
 def _block_error(w: torch.Tensor, scaled: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
-    """Squared error of each block's reconstruction, the dequantizer's arithmetic: [N, K/16]."""
-    return ((_e2m1_round(scaled) * scale.unsqueeze(-1)) * scale_2).sub_(w).square_().sum(dim=-1)
+    """Squared error of each block's reconstruction: [N, K/16]."""
+    return _reconstructed(scaled, scale, scale_2).sub_(w).square_().sum(dim=-1)
 
 
 def _e2m1_round(x: torch.Tensor) -> torch.Tensor:
@@ -161,7 +166,7 @@ def fake_quantize(
     `scale_2` as in `scale_blocks`: a caller can go through a big weight in slices of rows with the whole one's scale.
     """
     scale, scaled, scale_2 = scale_blocks(weight, scale_2, scale_rule)
-    return ((_e2m1_round(scaled) * scale.unsqueeze(-1)) * scale_2).reshape(weight.shape)
+    return _reconstructed(scaled, scale, scale_2).reshape(weight.shape)
 
 
 def dequantize_reference(
