@@ -108,8 +108,7 @@ def _rewrap_lora(
 
 def _quantize_bare(model: nn.Module, options: PactOptions, prefix: str) -> nn.Module:
     if options.adapt == "speed" or options.needs_calibration:  # the probe measures adapter gradients
-        name = "precision_budget_mib" if options.precision_budget_mib is not None else "rank_by='sensitivity'"
-        name = "adapt='speed'" if options.adapt == "speed" else name
+        name = "adapt='speed'" if options.adapt == "speed" else options.calibration_option
         raise ValueError(
             f"{prefix}{name} needs LoRA adapters, and this model has none: wrap it with peft first "
             "(get_peft_model with LoraConfig or PactConfig)."

@@ -100,6 +100,13 @@ class PactOptions:
         calibrate whenever this holds (`PactConfig.with_calibration`)."""
         return self._plan_pending() or self._ranking_pending()
 
+    @property
+    def calibration_option(self) -> str | None:
+        """The option that needs a calibration batch, as `name=value` for error messages (None: none does)."""
+        if self._plan_pending():
+            return f"precision_budget_mib={self.precision_budget_mib!r}"
+        return f"rank_by={self.rank_by!r}" if self.needs_calibration else None
+
     def _plan_pending(self) -> bool:
         return self.precision_budget_mib is not None and getattr(self, "precision_plan", None) is None
 

@@ -1,6 +1,7 @@
 """AQLoRA ranked by gradient sensitivity: the probe's score on a calibration batch decides what stays 16-bit."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -117,6 +118,20 @@ def test_trainer_ranks_on_the_first_training_batch_and_the_list_is_saved_and_reu
     assert fp16 == {f"base_model.model.{name}.base_layer" for name in expected}
     stock = PeftModel.from_pretrained(_blind_spot_model(), tmp_path / "adapter")  # plain PEFT files
     assert not any(isinstance(m, FrozenLinear) for m in stock.modules())
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({"pact_protect_fraction": 0.25, "pact_rank_by": "sensitivity"}, "pact_rank_by='sensitivity'"),
+        ({"pact_precision_budget_mib": 1.0}, "pact_precision_budget_mib=1.0"),
+    ],
+)
+def test_calibrating_without_train_data_names_the_option(tmp_path, options, named):
+    args = PactTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, **options)
+    model = get_peft_model(_blind_spot_model(), LoraConfig(r=4, target_modules=TARGETS))
+    with pytest.raises(ValueError, match=re.escape(f"{named} needs a train_dataset to calibrate on")):
+        PactTrainer(model=model, args=args)
 
 
 def test_a_bare_model_cannot_be_ranked_by_sensitivity(tmp_path):

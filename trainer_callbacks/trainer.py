@@ -80,8 +80,10 @@ class PactTrainer(Trainer):
             if data is not None:
                 batch = collate([data[i] for i in range(min(len(data), args.per_device_train_batch_size))])
             elif options.needs_calibration:  # rank_by="auto" ranks by NVFP4 error without one
-                option = "pact_precision_budget_mib" if args.pact_precision_budget_mib is not None else "pact_rank_by"
-                raise ValueError(f"{option} needs a train_dataset to calibrate on (its first batch).")
+                raise ValueError(
+                    f"{MODEL_PREFIX}{options.calibration_option} needs a train_dataset to calibrate on (its first "
+                    "batch): pass train_dataset, or calibrate the model yourself (PactConfig.with_calibration)."
+                )
         convert = bool(given) or args.pact_nvfp4_base
         return apply_pact_options(model, options, given, convert, MODEL_PREFIX, batch)
 
