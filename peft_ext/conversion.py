@@ -60,7 +60,7 @@ def apply_pact_options(
                 f"PACT's training options need LoRA adapters; the model's adapter {adapter!r} is "
                 f"{config.peft_type.value}. Use peft's LoraConfig (or PactConfig)."
             )
-        return _rewrap_lora(model, adapter, config, options, calibration_batch)
+        return _rewrap_lora(model, adapter, config, options, calibration_batch, prefix)
     if any(isinstance(m, FrozenLinear) for m in model.modules()):
         return model  # loaded with PactQuantizationConfig: its base is PACT's already
     return _quantize_bare(model, options, prefix)
@@ -85,7 +85,7 @@ def _check_agreement(config: PactConfig, given: dict, prefix: str) -> None:
 
 
 def _rewrap_lora(
-    model: PeftModel, adapter: str, lora: LoraConfig, options: PactOptions, batch: dict | None
+    model: PeftModel, adapter: str, lora: LoraConfig, options: PactOptions, batch: dict | None, prefix: str
 ) -> PeftModel:
     values = {f.name: getattr(lora, f.name) for f in dataclasses.fields(LoraConfig) if f.init}
     config = PactConfig(**values, **dataclasses.asdict(options))
@@ -93,8 +93,8 @@ def _rewrap_lora(
     base = model.unload()
     if config.needs_calibration and batch is None:
         raise ValueError(
-            "a precision budget or rank_by='sensitivity' needs a calibration batch (PactTrainer takes it from the "
-            "train data)."
+            f"{prefix}{config.calibration_option} needs a calibration batch (PactTrainer takes it from the train "
+            "data)."
         )
     if batch is not None:
         config = config.with_calibration(base, batch)  # returned as it is when it uses no batch

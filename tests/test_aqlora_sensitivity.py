@@ -11,6 +11,8 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 from optimum_pact.dataflow import FrozenLinear
 from peft_ext import PACT_CONFIG_NAME, PactConfig
+from peft_ext.conversion import apply_pact_options
+from peft_ext.options import PactOptions
 from peft_ext.precision import probe_precision
 from peft_ext.ranking import choose_protected, rank_layers
 from trainer_callbacks import PactTrainer, PactTrainingArguments
@@ -132,6 +134,13 @@ def test_calibrating_without_train_data_names_the_option(tmp_path, options, name
     model = get_peft_model(_blind_spot_model(), LoraConfig(r=4, target_modules=TARGETS))
     with pytest.raises(ValueError, match=re.escape(f"{named} needs a train_dataset to calibrate on")):
         PactTrainer(model=model, args=args)
+
+
+def test_rewrapping_plain_lora_without_a_batch_names_the_option():
+    model = get_peft_model(_blind_spot_model(), LoraConfig(r=4, target_modules=TARGETS))
+    options = PactOptions(protect_fraction=0.25, rank_by="sensitivity")
+    with pytest.raises(ValueError, match=re.escape("pact_rank_by='sensitivity' needs a calibration batch")):
+        apply_pact_options(model, options, {"rank_by": "sensitivity"}, prefix="pact_")
 
 
 def test_a_bare_model_cannot_be_ranked_by_sensitivity(tmp_path):
