@@ -26,6 +26,7 @@ fresh process.
     python benchmarks/eval_personalization.py --quick    # minutes: tiny sizes, machinery only
     python benchmarks/eval_personalization.py --table results.json   # print the README table of a past run
     python benchmarks/eval_personalization.py --resume   # finish an interrupted run (results.json is saved per user)
+    python benchmarks/eval_personalization.py --resume --seeds 0 1 2 3 4 5 --methods fp32 qlora pact  # more seeds
 
 Every run, memory probe and qnn check on the NVFP4 base records the NVFP4 scale rule it ran under; --resume redoes
 those of another rule (a run saved before rules were recorded ran under "6") and keeps the others.
@@ -352,18 +353,22 @@ def qnn_agreement(task, path: str, tokenizer, data, args) -> dict:
 def run_workload(name: str, tasks, path: str, tokenizer, args, methods, kept: dict, on_user=None) -> dict:
     """Every method on every user, once per seed; per user and method the runs by seed and their means.
 
-    `kept` holds this workload's users from an interrupted run of the same settings: their runs are not redone.
+    `kept` holds this workload's users from an earlier run of the same settings: their runs are not redone, and the
+    runs of methods this one leaves out are carried over as they are (a resumed run may add seeds to some methods).
     `on_user(workload)` is called after each user and seed (to save the results so far)."""
+    carried = [m for m in METHODS if m not in methods and any(m in u.get("methods", {}) for u in kept.values())]
     users = {
         task.user: {"train_items": len(task.train), "test_items": len(task.test), "labels": list(task.labels),
-                    "golds": [i["label"] for i in task.test], "methods": {m: {"seeds": {}} for m in methods}}
+                    "golds": [i["label"] for i in task.test],
+                    "methods": {m: {"seeds": {}} for m in METHODS if m in methods or m in carried}}
         for task in tasks
     }  # fmt: skip
     stale = 0
     for user, entry in users.items():
         for method, runs in entry["methods"].items():
             saved = kept.get(user, {}).get("methods", {}).get(method, {}).get("seeds", {})
-            runs["seeds"].update({seed: run for seed, run in saved.items() if stands(method, run)})
+            keep = {seed: run for seed, run in saved.items() if method in carried or stands(method, run)}
+            runs["seeds"].update(keep)
             stale += len(saved) - len(runs["seeds"])
     if stale:
         log(f"{name}: {stale} kept runs on the NVFP4 base used another scale rule: redone under {scale_rule()!r}")
@@ -414,15 +419,17 @@ def seed_means(users: dict) -> dict:
 
 
 def resumed(args, out: Path) -> dict:
-    """With --resume, the results.json of an interrupted run in `out` (seed keys back to ints), if its settings are
-    these; else {}. Settings that differ are a clear error: mixing them would compare unlike runs."""
+    """With --resume, the results.json of an earlier run in `out` (seed keys back to ints), if its settings are
+    these; else {}. Settings that differ are a clear error: mixing them would compare unlike runs. --seeds and
+    --methods may differ: a resumed run adds the seeds and methods it names and keeps every run saved (see
+    `run_workload`), so more seeds can be added to the methods whose comparison is still noise."""
     saved = out / "results.json"
     if not args.resume or not saved.exists():
         return {}
     previous = json.loads(saved.read_text())
-    ignore = ("resume", "memory", "mezo_lr", "qnn_steps", "dtype")  # what may change between the pieces of one run
-    # (fewer --methods may not: saving would drop the kept runs of the others); --dtype as typed may, for what it
-    # resolved to, compute_dtype, is compared: `auto` is fp32 on one CPU and bf16 on another
+    ignore = ("resume", "memory", "mezo_lr", "qnn_steps", "dtype", "seeds", "methods")  # what may change between
+    # the pieces of one run; --dtype as typed may, for what it resolved to, compute_dtype, is compared: `auto` is
+    # fp32 on one CPU and bf16 on another
     mine = {k: v for k, v in vars(args).items() if k not in ("table", "output", *ignore)}
     theirs = {k: v for k, v in previous["config"].items() if k not in ignore}
     resume.check_settings(saved, theirs, mine)
@@ -590,14 +597,19 @@ def main(argv=None) -> dict:
     }
     previous = resumed(args, out)
     piece = {k: results[k] for k in ("machine", "date")}  # a resumed run may span days (and machines): each piece
+    piece.update(seeds=args.seeds, methods=methods)  # what this sitting ran (the config: what the run holds)
     results["pieces"] = [*previous.get("pieces", []), piece]
+    if previous:
+        config, before = results["config"], previous["config"]
+        config["seeds"] = sorted({*before["seeds"], *args.seeds})
+        config["methods"] = [m for m in METHODS if m in before["methods"] or m in methods]
 
     def stamp(complete: bool) -> None:  # this sitting's wall-clock, the run's so far, and save
         piece["wall_s"] = time.perf_counter() - start
         results["wall_s"], results["complete"] = previous.get("wall_s", 0.0) + piece["wall_s"], complete
         save(results, out)
 
-    if "mezo" in methods:
+    if "mezo" in methods or "mezo_sweep" in previous:
         results["mezo_sweep"] = previous.get("mezo_sweep") or sweep_mezo_lr(path, tokenizer, args)
         args.mezo_lr = results["config"]["mezo_lr"] = results["mezo_sweep"]["lr"]
     for name, tasks in workloads.items():
@@ -621,7 +633,7 @@ def main(argv=None) -> dict:
             log(f"qnn agreement failed: {err!r}")
             results["qnn_agreement"] = {"error": repr(err)}
     child_argv = [*argv, "--mezo-lrs", str(getattr(args, "mezo_lr", args.mezo_lrs[0]))]
-    kept_memory = {m: peak for m, peak in previous.get("memory", {}).items() if m in methods and stands(m, peak)}
+    kept_memory = {m: peak for m, peak in previous.get("memory", {}).items() if m not in methods or stands(m, peak)}
     todo = [m for m in methods if m not in kept_memory] if args.memory else []
     results["memory"] = {**kept_memory, **measure_memory(todo, child_argv)}
     stamp(complete=True)

@@ -27,7 +27,8 @@ def _mean(values):
 
 def summarize(results: dict) -> None:
     """Adds results["summary"] (per workload and method: means over users of each user's mean over seeds) and
-    results["targets"]: paired differences, per user (its mean over seeds), then mean +/- standard error over users."""
+    results["targets"]: paired differences, per user (its mean over the seeds both methods ran), then mean +/-
+    standard error over users."""
     summary, targets, memory = {}, {}, results.get("memory", {})
     for name, workload in results["workloads"].items():
         users = workload["users"].values()
@@ -47,21 +48,26 @@ def summarize(results: dict) -> None:
                 "steps": _mean(r.get("steps") for r in runs),
                 "peak_gib": memory.get(method, {}).get("peak_gib"),  # not measured for "shared": shown as "-"
                 "users": sum(r["accuracy"] is not None for r in runs),
+                "seeds": max(len(r["seeds"]) for r in runs),
             }  # fmt: skip
         summary[name] = rows
         for target, (method, baseline, least) in TARGETS.items():
             if method not in rows or baseline not in rows:
                 continue
-            paired = [u["methods"] for u in users if None not in (u["methods"][method]["accuracy"],
-                                                                 u["methods"][baseline]["accuracy"])]  # fmt: skip
-            if not paired:  # an interrupted run that has not reached both methods yet
+            diffs, runs = [], 0
+            for user in users:  # per user, over the seeds both methods ran (a resumed run may add seeds to some)
+                mine, theirs = user["methods"][method]["seeds"], user["methods"][baseline]["seeds"]
+                both = [seed for seed in mine if seed in theirs]
+                if both:  # none: an interrupted run that has not reached both methods on this user yet
+                    diffs.append(100 * sum(mine[s]["accuracy"] - theirs[s]["accuracy"] for s in both) / len(both))
+                    runs += len(both)
+            if not diffs:
                 continue
-            diffs = [100 * (m[method]["accuracy"] - m[baseline]["accuracy"]) for m in paired]
             mean = sum(diffs) / len(diffs)
             sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)) if len(diffs) > 1 else None
             se = sd / math.sqrt(len(diffs)) if sd is not None else None
             targets.setdefault(name, {})[target] = {
-                "points": mean, "se": se, "least": least, "met": mean >= least, "users": len(diffs)
+                "points": mean, "se": se, "least": least, "met": mean >= least, "users": len(diffs), "pairs": runs
             }  # fmt: skip
     results["summary"], results["targets"] = summary, targets
 
@@ -111,6 +117,19 @@ def compute_dtype(config: dict) -> str:
     return f"{resolved} ({dtype})" if resolved and resolved != dtype else dtype
 
 
+def seed_counts(rows: dict) -> str:
+    """How many seeds each user's means are over: "its 3 seeds", or where a resumed run added seeds to some methods
+    "its seeds: 6 for fp32, qlora, pact; 3 for the others"."""
+    counts = {}
+    for method, row in rows.items():
+        counts.setdefault(row.get("seeds"), []).append(method)
+    if len(counts) == 1:
+        return "seeds" if None in counts else f"its {next(iter(counts))} seeds"
+    ranked = sorted(counts, key=lambda n: -(n or 0))
+    parts = [f"{n} for {', '.join(counts[n])}" for n in ranked[:-1]]
+    return f"its seeds: {'; '.join(parts)}; {ranked[-1]} for the others"
+
+
 def markdown_table(results: dict) -> str:
     config = results["config"]
     rules = f", NVFP4 scale rule {rule}" if (rule := scale_rules(results)) else ""
@@ -128,7 +147,7 @@ def markdown_table(results: dict) -> str:
         lines[-1:] = [f"PARTIAL: an interrupted run ({done}); means over what has run (--resume ends it).", ""]
     for name, rows in results["summary"].items():
         n = next(iter(rows.values()))["users"] if rows else 0
-        lines += [f"**{name}** ({n} users; means over users of each user's mean over seeds)", "",
+        lines += [f"**{name}** ({n} users; means over users of each user's mean over {seed_counts(rows)})", "",
                   "| method | accuracy | macro-F1 | train s / user | steps | peak memory (GiB) |",
                   "|---|---|---|---|---|---|"]  # fmt: skip
         for method, r in rows.items():
@@ -140,7 +159,8 @@ def markdown_table(results: dict) -> str:
             verdict = "met" if t["met"] else "MISSED"
             if t["se"] and abs(t["points"] - t["least"]) < t["se"]:
                 verdict += " (the target is within one SE of the mean: not resolved)"
-            lines.append(f"\n{target}: {t['points']:+.1f}{se} points (target >= {t['least']:+.0f}): {verdict}")
+            pairs = f", {t['users']} users, {t['pairs']} paired runs" if "pairs" in t else ""
+            lines.append(f"\n{target}: {t['points']:+.1f}{se} points (target >= {t['least']:+.0f}{pairs}): {verdict}")
         lines.append("")
     agreement = results.get("qnn_agreement")
     if agreement and "steps" in agreement:

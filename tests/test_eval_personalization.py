@@ -300,6 +300,53 @@ def test_resume_keeps_finished_runs_and_saves_after_each_user(tmp_path):
     assert "2026-12-02 on EPYC; avx512_bf16=False and 2026-12-03 on EPYC; avx512_bf16=True;" in header
 
 
+def test_resume_adds_seeds_to_some_methods_and_pairs_over_the_seeds_both_ran(tmp_path, monkeypatch):
+    """A finished 1-seed run of fp32, pact and mezo, resumed with a second seed for fp32 and pact only: only those two
+    run (seed 1), mezo's run is carried over, and each comparison pairs per user over the seeds both methods ran."""
+    from types import SimpleNamespace
+
+    import eval_personalization
+    import personalization_report
+
+    first = eval_personalization.parse_args(["--seeds", "0", "--methods", "fp32", "pact", "mezo"])
+    config = {k: v for k, v in vars(first).items() if k not in ("table", "output")}
+    u1 = {m: {"seeds": {"0": _run(a)}} for m, a in (("fp32", 0.5), ("pact", 0.6), ("mezo", 0.2))}
+    u1["pact"]["seeds"]["0"]["nvfp4_scale_rule"] = eval_personalization.scale_rule()
+    (tmp_path / "results.json").write_text(json.dumps({"config": config, "workloads": {"nightly": {"users": {
+        "u1": {"methods": u1}}}}}))  # fmt: skip
+    args = eval_personalization.parse_args(
+        ["--output", str(tmp_path), "--resume", "--seeds", "0", "1", "--methods", "fp32", "pact"]
+    )
+    kept = eval_personalization.resumed(args, tmp_path)["workloads"]["nightly"]["users"]  # other seeds and methods
+    ran = []
+    monkeypatch.setattr(eval_personalization, "batches", lambda *a: [])
+    accuracy = {"fp32": 0.9, "pact": 0.8}
+    monkeypatch.setattr(eval_personalization, "run_method",
+                        lambda method, *a, **k: ran.append((method, a[-1])) or _run(accuracy[method]))  # fmt: skip
+    task = SimpleNamespace(user="u1", train=[], test=[{"label": "a"}], labels=("a",))
+    workload = eval_personalization.run_workload("nightly", [task], "no-model", None, args, ["fp32", "pact"], kept)
+    assert ran == [("fp32", 1), ("pact", 1)]
+    methods = workload["users"]["u1"]["methods"]
+    assert list(methods) == ["fp32", "pact", "mezo"] and set(methods["mezo"]["seeds"]) == {0}
+    results = {"workloads": {"nightly": workload}, "config": {**config, "seeds": [0, 1]}, "date": "2026-12-03",
+               "machine": "x86_64"}  # fmt: skip
+    personalization_report.summarize(results)
+    targets = results["targets"]["nightly"]
+    # pact - fp32: seed 0 +10, seed 1 -10: 0 over 2 pairs; pact - mezo: seed 0 only, +40 (not pact's 2-seed mean)
+    assert targets["pact_vs_fp32"]["points"] == pytest.approx(0) and targets["pact_vs_fp32"]["pairs"] == 2
+    assert targets["pact_vs_mezo_equal_wallclock"]["points"] == pytest.approx(40)
+    assert targets["pact_vs_mezo_equal_wallclock"]["pairs"] == 1
+    table = personalization_report.markdown_table(results)
+    assert "mean over its seeds: 2 for fp32, pact; 1 for the others)" in table
+    assert "pact_vs_fp32: +0.0 points (target >= -1, 1 users, 2 paired runs): met" in table
+    with pytest.raises(SystemExit, match="'steps'"):  # the other settings must still be the saved ones
+        eval_personalization.resumed(eval_personalization.parse_args([*sys_argv(args), "--steps", "5"]), tmp_path)
+
+
+def sys_argv(args) -> list[str]:
+    return ["--output", args.output, "--resume", "--seeds", *map(str, args.seeds), "--methods", *args.methods]
+
+
 def test_resume_refuses_results_of_other_settings(tmp_path):
     import eval_personalization
 
