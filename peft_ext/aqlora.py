@@ -35,7 +35,13 @@ logger = logging.getLogger(__name__)
 
 
 def needs_whole_model(config) -> bool:
-    return bool(getattr(config, "protect_fraction", 0.0)) or getattr(config, "adapt", "quality") == "speed"
+    """AQLoRA is on: a fraction to protect, a list of protected linears (kept 16-bit as given, whatever
+    protect_fraction says), or the speed setting."""
+    return (
+        bool(getattr(config, "protect_fraction", 0.0))
+        or bool(getattr(config, "protected_modules", None))
+        or getattr(config, "adapt", "quality") == "speed"
+    )
 
 
 class PendingLayers:

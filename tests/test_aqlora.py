@@ -41,6 +41,15 @@ def test_quality_protects_the_worst_layers_and_adapts_every_one():
     assert losses[-1] < losses[0] - 0.5
 
 
+def test_a_given_protected_list_is_kept_16_bit_without_a_protect_fraction():
+    """protected_modules alone (as in a pact_config.json edited by hand, or a list ranked elsewhere) is honoured, not
+    dropped because protect_fraction is at its default 0."""
+    names = ["model.layers.0.mlp.down_proj", "model.layers.3.self_attn.q_proj"]
+    model = get_peft_model(_model(), PactConfig(r=4, target_modules="all-linear", protected_modules=names))
+    assert {n for n, m in _frozen(model).items() if m.precision == "fp16"} == set(names)
+    assert model.peft_config["default"].protected_modules == names
+
+
 def _block_outputs_need_grad(model):
     """Per block: whether its output hidden state is part of the autograd graph, recorded on the next forward."""
     seen = {}
