@@ -360,7 +360,7 @@ def run_workload(name: str, tasks, path: str, tokenizer, args, methods, kept: di
     users = {
         task.user: {"train_items": len(task.train), "test_items": len(task.test), "labels": list(task.labels),
                     "golds": [i["label"] for i in task.test],
-                    "methods": {m: {"seeds": {}} for m in METHODS if m in methods or m in carried}}
+                    "methods": {m: {"seeds": {}} for m in [*methods, *carried]}}
         for task in tasks
     }  # fmt: skip
     stale = 0

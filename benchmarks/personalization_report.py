@@ -54,20 +54,20 @@ def summarize(results: dict) -> None:
         for target, (method, baseline, least) in TARGETS.items():
             if method not in rows or baseline not in rows:
                 continue
-            diffs, runs = [], 0
+            diffs, pairs = [], 0
             for user in users:  # per user, over the seeds both methods ran (a resumed run may add seeds to some)
                 mine, theirs = user["methods"][method]["seeds"], user["methods"][baseline]["seeds"]
                 both = [seed for seed in mine if seed in theirs]
                 if both:  # none: an interrupted run that has not reached both methods on this user yet
                     diffs.append(100 * sum(mine[s]["accuracy"] - theirs[s]["accuracy"] for s in both) / len(both))
-                    runs += len(both)
+                    pairs += len(both)
             if not diffs:
                 continue
             mean = sum(diffs) / len(diffs)
             sd = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)) if len(diffs) > 1 else None
             se = sd / math.sqrt(len(diffs)) if sd is not None else None
             targets.setdefault(name, {})[target] = {
-                "points": mean, "se": se, "least": least, "met": mean >= least, "users": len(diffs), "pairs": runs
+                "points": mean, "se": se, "least": least, "met": mean >= least, "users": len(diffs), "pairs": pairs
             }  # fmt: skip
     results["summary"], results["targets"] = summary, targets
 

@@ -314,9 +314,8 @@ def test_resume_adds_seeds_to_some_methods_and_pairs_over_the_seeds_both_ran(tmp
     u1["pact"]["seeds"]["0"]["nvfp4_scale_rule"] = eval_personalization.scale_rule()
     (tmp_path / "results.json").write_text(json.dumps({"config": config, "workloads": {"nightly": {"users": {
         "u1": {"methods": u1}}}}}))  # fmt: skip
-    args = eval_personalization.parse_args(
-        ["--output", str(tmp_path), "--resume", "--seeds", "0", "1", "--methods", "fp32", "pact"]
-    )
+    argv = ["--output", str(tmp_path), "--resume", "--seeds", "0", "1", "--methods", "fp32", "pact"]
+    args = eval_personalization.parse_args(argv)
     kept = eval_personalization.resumed(args, tmp_path)["workloads"]["nightly"]["users"]  # other seeds and methods
     ran = []
     monkeypatch.setattr(eval_personalization, "batches", lambda *a: [])
@@ -340,11 +339,7 @@ def test_resume_adds_seeds_to_some_methods_and_pairs_over_the_seeds_both_ran(tmp
     assert "mean over its seeds: 2 for fp32, pact; 1 for the others)" in table
     assert "pact_vs_fp32: +0.0 points (target >= -1, 1 users, 2 paired runs): met" in table
     with pytest.raises(SystemExit, match="'steps'"):  # the other settings must still be the saved ones
-        eval_personalization.resumed(eval_personalization.parse_args([*sys_argv(args), "--steps", "5"]), tmp_path)
-
-
-def sys_argv(args) -> list[str]:
-    return ["--output", args.output, "--resume", "--seeds", *map(str, args.seeds), "--methods", *args.methods]
+        eval_personalization.resumed(eval_personalization.parse_args([*argv, "--steps", "5"]), tmp_path)
 
 
 def test_resume_refuses_results_of_other_settings(tmp_path):
