@@ -111,6 +111,14 @@ def scale_rules(results: dict) -> str:
     return ranked[0] + (f" ({others})" if others else "")
 
 
+def seeds_run(results: dict) -> list[int]:
+    """The seeds some run was made with (config["seeds"] is what the sittings asked for: a resumed run stopped early
+    and restarted with fewer seeds asked for more than it ran)."""
+    return sorted({int(seed) for workload in results.get("workloads", {}).values()
+                   for user in workload["users"].values() for entry in user["methods"].values()
+                   for seed in entry.get("seeds", {})})  # fmt: skip
+
+
 def compute_dtype(config: dict) -> str:
     dtype = config.get("dtype", "bf16")
     resolved = config.get("compute_dtype")
@@ -133,10 +141,11 @@ def seed_counts(rows: dict) -> str:
 def markdown_table(results: dict) -> str:
     config = results["config"]
     rules = f", NVFP4 scale rule {rule}" if (rule := scale_rules(results)) else ""
+    seeds = seeds_run(results) or config.get("seeds", [config.get("seed")])
     lines = [
         f"Measured {measured(results)}; SmolLM2-135M-Instruct, LoRA r={config['r']}, "
         f"{config['steps']} steps of {config['batch']} per adapter, lr {config['lr']}, "
-        f"seeds {config.get('seeds', [config.get('seed')])}, compute dtype {compute_dtype(config)}, "
+        f"seeds {seeds}, compute dtype {compute_dtype(config)}, "
         f"MeZO lr {config.get('mezo_lr', '-')}{rules}.",
         "",
     ]

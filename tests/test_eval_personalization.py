@@ -293,7 +293,10 @@ def test_resume_keeps_finished_runs_and_saves_after_each_user(tmp_path):
     assert partial["summary"]["nightly"]["pact"]["users"] == 1  # u2 has not run yet
     assert partial["targets"]["nightly"]["pact_vs_fp32"]["users"] == 1
     partial.update(config=config, date="2026-12-02", machine="x86_64", complete=False)
-    assert "PARTIAL: an interrupted run (2 of 4 user-seeds)" in personalization_report.markdown_table(partial)
+    table = personalization_report.markdown_table(partial)
+    assert "PARTIAL: an interrupted run (2 of 4 user-seeds)" in table
+    partial["config"] = {**config, "seeds": [0, 1, 2]}  # a sitting that asked for seed 2 and stopped before it
+    assert ", seeds [0, 1], " in personalization_report.markdown_table(partial)  # the seeds that ran
     partial["pieces"] = [{"date": "2026-12-02", "machine": "EPYC; avx512_bf16=False"},
                          {"date": "2026-12-03", "machine": "EPYC; avx512_bf16=True"}]  # fmt: skip
     header = personalization_report.markdown_table(partial).splitlines()[0]
