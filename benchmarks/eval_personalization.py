@@ -213,21 +213,6 @@ def evaluate(model, tokenizer, task) -> dict:
     return {**lamp.lamp2_metrics(predictions, golds, task.labels), "predictions": predictions}
 
 
-def heldout_loss(model, tokenizer, items: list[dict], batch_size: int) -> float:
-    """Mean loss per label token on `items` (the user's later ones): a validation score finer than accuracy."""
-    import torch
-
-    rows, collate = tokenized(tokenizer, items)
-    model.eval()
-    total, tokens = 0.0, 0
-    with torch.no_grad():
-        for start in range(0, len(rows), batch_size):
-            batch = dict(collate(rows[start : start + batch_size]))
-            n = int((batch["labels"][:, 1:] != -100).sum())  # the shifted targets the loss averages over
-            total, tokens = total + float(model(**batch).loss) * n, tokens + n
-    return total / tokens if tokens else float("nan")
-
-
 def run_method(method: str, task, path: str, tokenizer, data, args, seed: int, seconds=None, on_built=None,
                mezo_lr=None, score_loss=False) -> dict:  # fmt: skip
     """Train (or not) one method on one user (or, for `shared`, on `data` of all users) and evaluate it on the user's
@@ -262,7 +247,9 @@ def run_method(method: str, task, path: str, tokenizer, data, args, seed: int, s
     train_s = time.perf_counter() - start
     result = evaluate(model, tokenizer, task)
     if score_loss:
-        result["heldout_loss"] = heldout_loss(model, tokenizer, task.test, args.batch)
+        from optimum_pact.commands.evaluation import heldout_loss  # the main job's: loss per label token
+
+        result["heldout_loss"] = heldout_loss(model, *tokenized(tokenizer, task.test), args.batch)
     del model
     losses = out.pop("losses")
     return {**result, **out, "train_s": train_s, "first_losses": losses[:3],

@@ -182,10 +182,12 @@ def test_lamp_files_go_together():
 
 
 def test_heldout_loss_weighs_every_label_token_alike(small_model):
-    """The MeZO sweep's score: mean loss per label token over all items, whatever the batching (uneven lengths)."""
+    """The MeZO sweep's score (the main job's held-out loss): mean loss per label token over all items, whatever the
+    batching (uneven lengths); the model's training mode is given back."""
     import eval_personalization
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from optimum_pact.commands.evaluation import heldout_loss
     from optimum_pact.commands.finetune import tokenize_examples
 
     tokenizer = AutoTokenizer.from_pretrained(small_model)
@@ -204,8 +206,10 @@ def test_heldout_loss_weighs_every_label_token_alike(small_model):
             total += float(torch.nn.functional.cross_entropy(logits[keep], labels[keep], reduction="sum"))
             count += int(keep.sum())
     for batch_size in (1, 2, 3):
-        loss = eval_personalization.heldout_loss(model, tokenizer, items, batch_size)
+        model.train()
+        loss = heldout_loss(model, *eval_personalization.tokenized(tokenizer, items), batch_size)
         assert loss == pytest.approx(total / count, rel=1e-5), batch_size
+        assert model.training
 
 
 @pytest.mark.slow
