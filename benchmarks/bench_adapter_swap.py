@@ -31,8 +31,8 @@ from optimum_pact.commands.default_model import ensure_default_model
 from optimum_pact.commands.modeling import PactModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_decode import cpu_model  # noqa: E402  (lscpu's model and whether AMX is there)
 from bench_memory import _status_bytes  # noqa: E402  (the /proc/self/status reader, one copy)
+from bench_train_step import cpu_model  # noqa: E402  (lscpu's model and whether AMX is there)
 
 
 def save_adapters(base: Path, count: int, folder: Path) -> list[Path]:

@@ -22,11 +22,11 @@ import importlib.util
 import json
 import platform
 import statistics
-import subprocess
 import tempfile
 import time
 
 import torch
+from bench_train_step import cpu_model  # lscpu's model, AMX, vector width (one copy)
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
@@ -34,16 +34,6 @@ from optimum_pact.commands.default_model import default_gguf_path, ensure_defaul
 from optimum_pact.commands.modeling import PactModelForCausalLM
 from optimum_pact.nvfp4.kernels import NativeLinear
 from peft_ext.layer import PactLoraLinear
-
-
-def cpu_model() -> str:
-    """lscpu's model name, whether AMX is there and the widest vector / bf16 support (the machines differ)."""
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    name = next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
-    flags = set(next((line.split(":", 1)[1].split() for line in out.splitlines() if line.startswith("Flags")), []))
-    simd = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    bf16 = ", AVX512-BF16" if "avx512_bf16" in flags else ""
-    return f"{name} ({'AMX' if 'amx_tile' in flags else 'no AMX'}, {simd}{bf16})"
 
 
 def timed_generate(model, ids: torch.Tensor, new: int) -> float:

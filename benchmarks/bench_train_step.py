@@ -98,13 +98,17 @@ def run_arm(arm: str, model_path: str, steps: int, batch: int, seq: int, r: int,
 
 
 def cpu_model() -> str:
+    """lscpu's model name, whether AMX is there and the widest vector / bf16 support (the machines differ), e.g.
+    "AMD EPYC (no AMX, AVX-512, AVX512-BF16)"; the platform's processor where lscpu is missing."""
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-        model = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-        flags = next((line for line in out.splitlines() if line.startswith("Flags")), "")
-    except (OSError, StopIteration):
+    except OSError:
         return platform.processor()
-    return f"{model}; amx={'amx_tile' in flags}; avx512_bf16={'avx512_bf16' in flags}"
+    name = next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
+    flags = set(next((line.split(":", 1)[1].split() for line in out.splitlines() if line.startswith("Flags")), []))
+    simd = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    bf16 = ", AVX512-BF16" if "avx512_bf16" in flags else ""
+    return f"{name} ({'AMX' if 'amx_tile' in flags else 'no AMX'}, {simd}{bf16})"
 
 
 def main() -> None:
