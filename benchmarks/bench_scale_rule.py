@@ -1,4 +1,4 @@
-"""What each 4-bit format does to SmolLM2-135M-Instruct before any training: NVFP4 under both scale rules, against
+"""What each 4-bit format does to SmolLM2-135M-Instruct before any training: NVFP4 under each scale rule, against
 fp32 and bitsandbytes' nf4, on the personalization benchmark's users.
 
 For each format every decoder linear's weight is replaced by what the format reconstructs (`fake_quantize`, which
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -39,7 +40,7 @@ def main() -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from optimum_pact.commands.default_model import ensure_default_model
-    from optimum_pact.nvfp4 import fake_quantize
+    from optimum_pact.nvfp4 import SCALE_RULES, fake_quantize
     from peft_ext.blocks import decoder_linears
     from peft_ext.ranking import nf4_dequantized
 
@@ -49,12 +50,11 @@ def main() -> dict:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     linears = decoder_linears(model)
     originals = {name: layer.weight.detach().clone() for name, layer in linears.items()}
-    formats = {
-        "fp32": lambda w: w,
-        "nf4": nf4_dequantized,
-        'nvfp4 "6"': lambda w: fake_quantize(w, scale_rule="6"),
-        'nvfp4 "4/6" (default)': lambda w: fake_quantize(w, scale_rule="4/6"),
-    }
+    formats = {"fp32": lambda w: w, "nf4": nf4_dequantized}
+    for rule in SCALE_RULES:
+        formats[f'nvfp4 "{rule}"' + (" (default)" if rule == SCALE_RULES[0] else "")] = partial(
+            fake_quantize, scale_rule=rule
+        )
     results = {}
     for name, reconstruct in formats.items():
         error = norm = 0.0

@@ -277,7 +277,7 @@ def test_resume_keeps_finished_runs_and_saves_after_each_user(tmp_path):
     config = {k: v for k, v in vars(args).items() if k not in ("table", "output")}
     u1 = {m: {"seeds": {"0": _run(0.5), "1": _run(0.7)}} for m in ("fp32", "pact")}
     for run in u1["pact"]["seeds"].values():
-        run["nvfp4_scale_rule"] = "4/6"  # the rule in use: kept (another would be redone, the next test)
+        run["nvfp4_scale_rule"] = eval_personalization.scale_rule()  # in use: kept (another is redone: next test)
     saved = {"config": config, "workloads": {"nightly": {"users": {"u1": {"methods": u1}}}}}
     (tmp_path / "results.json").write_text(json.dumps(saved))
     previous = eval_personalization.resumed(args, tmp_path)
@@ -380,8 +380,9 @@ def test_resume_compares_the_dtype_auto_resolved_to(tmp_path, monkeypatch):
 
 
 def test_resume_redoes_the_runs_on_the_nvfp4_base_made_under_another_scale_rule(tmp_path, monkeypatch):
-    """The default NVFP4 scale rule changed ("6" -> "4/6"): a resumed run keeps fp32's runs, redoes PACT's (saved
-    without a rule: "6"), records the rule on the new ones, and the table header says which rules the runs used."""
+    """The default NVFP4 scale rule changed ("6" -> "4/6" -> "mse"): a resumed run keeps fp32's runs, redoes PACT's
+    (saved without a rule: "6"), records the rule on the new ones, and the table header says which rules the runs
+    used."""
     from types import SimpleNamespace
 
     import eval_personalization
@@ -401,13 +402,15 @@ def test_resume_redoes_the_runs_on_the_nvfp4_base_made_under_another_scale_rule(
     assert ran == ["pact"]
     methods = workload["users"]["u1"]["methods"]
     assert methods["fp32"]["accuracy"] == 0.5 and methods["pact"]["accuracy"] == 0.9
-    assert methods["pact"]["seeds"][0]["nvfp4_scale_rule"] == "4/6" and "nvfp4_scale_rule" not in methods["fp32"]
+    rule = eval_personalization.scale_rule()
+    assert methods["pact"]["seeds"][0]["nvfp4_scale_rule"] == rule and "nvfp4_scale_rule" not in methods["fp32"]
     results = {"workloads": {"nightly": workload}, "config": config, "date": "2026-12-03", "machine": "x86_64"}
     personalization_report.summarize(results)
-    assert "NVFP4 scale rule 4/6." in personalization_report.markdown_table(results).splitlines()[0]
+    assert f"NVFP4 scale rule {rule}." in personalization_report.markdown_table(results).splitlines()[0]
     methods["pact_exact"] = {"seeds": {0: _run(0.8)}, "accuracy": 0.8, "f1": 0.8}  # not redone yet: "6"
-    assert "NVFP4 scale rule 4/6 (6: 1 runs)." in personalization_report.markdown_table(results).splitlines()[0]
+    assert f"NVFP4 scale rule {rule} (6: 1 runs)." in personalization_report.markdown_table(results).splitlines()[0]
     # a memory probe or qnn check under "6" stands no more either; fp32's does
     assert not eval_personalization.stands("pact", {"peak_gib": 1.0})
-    assert eval_personalization.stands("pact", {"peak_gib": 1.0, "nvfp4_scale_rule": "4/6"})
+    assert eval_personalization.stands("pact", {"peak_gib": 1.0, "nvfp4_scale_rule": rule})
+    assert not eval_personalization.stands("pact", {"peak_gib": 1.0, "nvfp4_scale_rule": "4/6"})
     assert eval_personalization.stands("fp32", {"peak_gib": 1.0})

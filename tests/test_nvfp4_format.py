@@ -1,5 +1,5 @@
 """NVFP4 numerics at three levels: exact bit tables, exact equality with torchao (the "6" scale rule), SQNR; and what
-the default "4/6" scale rule chooses."""
+the "4/6" and "mse" scale rules choose."""
 
 import pytest
 import torch
@@ -16,7 +16,7 @@ from optimum_pact.nvfp4 import (
     tensor_scale,
     unpack_e2m1,
 )
-from optimum_pact.nvfp4.format import _e2m1_round, e2m1_table
+from optimum_pact.nvfp4.format import _block_error, _e2m1_round, _reconstructed, _scaled, e2m1_table
 
 
 @pytest.fixture
@@ -177,12 +177,14 @@ def test_four_over_six_maps_a_block_of_near_maximal_values_to_4():
     # stops at e4m3's 448, the 6-candidate's scale, so it stays at 6.
     w = torch.tensor([[5.0] * 15 + [6.0], [0.0] * 15 + [21.0]])
     assert fake_quantize(w, scale_rule="6").tolist() == [[4.0] * 15 + [6.0], [0.0] * 15 + [21.0]]
-    assert fake_quantize(w).tolist() == [[4.5] * 15 + [6.0], [0.0] * 15 + [21.0]]
-    q = quantize(w)
+    assert fake_quantize(w, scale_rule="4/6").tolist() == [[4.5] * 15 + [6.0], [0.0] * 15 + [21.0]]
+    q = quantize(w, scale_rule="4/6")
     assert q.scale.float().tolist() == [[192.0], [448.0]] and q.scale_2.item() == 2**-7
     # a block on E2M1's own grid (times 448 * scale_2, scale_2 = 2**-12) is exact under 6, and a tie keeps 6
     exact = torch.tensor([[0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0] * 2]) * (448 * 2**-12)
-    assert torch.equal(fake_quantize(exact), exact) and quantize(exact).scale.float().tolist() == [[448.0]]
+    for rule in ("4/6", "mse"):
+        assert torch.equal(fake_quantize(exact, scale_rule=rule), exact)
+        assert quantize(exact, rule).scale.float().tolist() == [[448.0]]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -199,7 +201,7 @@ def test_four_over_six_takes_the_better_of_the_two_scales_in_every_block(dtype):
     chosen = block_error(fake_quantize(w, scale_2, "4/6"))
     block_amax = w.float().reshape(64, -1, BLOCK_SIZE).abs().amax(-1)
     four_scale = (block_amax / 4 / scale_2).clamp(max=448).to(torch.float8_e4m3fn).float()
-    scale = quantize(w).scale.float()
+    scale = quantize(w, "4/6").scale.float()
     took_four = scale != (block_amax / 6 / scale_2).to(torch.float8_e4m3fn).float()
     assert torch.equal(scale[took_four], four_scale[took_four])  # each block took one of the two candidates
     assert torch.equal(chosen[~took_four], six[~took_four])
@@ -211,5 +213,53 @@ def test_four_over_six_takes_the_better_of_the_two_scales_in_every_block(dtype):
 
 @pytest.mark.parametrize("call", [quantize, fake_quantize])
 def test_unknown_scale_rule_is_a_clear_error(call):
-    with pytest.raises(ValueError, match=r"scale_rule='8' is not an NVFP4 scale rule; choose one of '4/6', '6'"):
+    message = r"scale_rule='8' is not an NVFP4 scale rule; choose one of 'mse', '4/6', '6'"
+    with pytest.raises(ValueError, match=message):
         call(torch.randn(4, 32), scale_rule="8")
+
+
+@pytest.mark.parametrize("distribution", ["gaussian", "student-t"])
+def test_mse_rule_finds_the_best_e4m3_block_scale(distribution):
+    torch.manual_seed(0)
+    if distribution == "gaussian":
+        w = torch.randn(64, 256) * torch.rand(64, 1) * 3
+    else:  # heavy tails: a few large elements per block, as in real weights
+        w = torch.distributions.StudentT(2.0).sample((64, 256))
+    scale_2 = tensor_scale(w)
+    blocks = w.reshape(64, -1, BLOCK_SIZE)
+
+    def block_error(recon):
+        return (recon - w).reshape(64, -1, BLOCK_SIZE).square().sum(-1)
+
+    # the oracle: every e4m3 scale the quantizer may store (codes 8 = 2**-6 to 126 = 448), each block's best
+    errors = []
+    for code in range(8, 127):
+        scale = torch.tensor(code, dtype=torch.uint8).view(torch.float8_e4m3fn).float().expand(64, 16)
+        errors.append((_reconstructed(_scaled(blocks, scale, scale_2), scale, scale_2) - blocks).square().sum(-1))
+        assert torch.equal(_block_error(blocks.abs(), scale, scale_2), errors[-1])  # the search's fast error
+    best = torch.stack(errors).min(dim=0).values
+    mse, four_six = block_error(fake_quantize(w, scale_2, "mse")), block_error(fake_quantize(w, scale_2, "4/6"))
+    assert (mse <= four_six).all()  # its candidates include 4/6's two
+    hit = (mse == best).float().mean().item()
+    assert hit > 0.98, f"{distribution}: the best scale in only {hit:.1%} of blocks"
+    assert mse.sum() / best.sum() < 1.002, (distribution, (mse.sum() / best.sum()).item())
+    assert four_six.sum() / mse.sum() > 1.03  # and it is worth having: 4/6 leaves error a search removes
+
+
+@pytest.mark.parametrize("scale_rule", SCALE_RULES)
+@pytest.mark.parametrize("distribution", ["gaussian", "student-t", "on a coarse grid"])
+def test_quantizing_a_reconstruction_again_changes_nothing(scale_rule, distribution):
+    # what a merge into a dequantized NVFP4 model or a re-quantized export relies on
+    torch.manual_seed(0)
+    w = {
+        "gaussian": torch.randn(256, 512) * torch.rand(256, 1),
+        "student-t": torch.distributions.StudentT(2.0).sample((256, 512)),
+        "on a coarse grid": torch.randint(-7, 8, (256, 512)).float() * 0.01,
+    }[distribution]
+    # the amax's block, with fifteen at 11/12 of it: a scale one code below 448 would serve the fifteen better (they
+    # tie between 4 and 6 at 448) by clipping the amax, which "mse" must not do, or scale_2 would move
+    w[0, 0] = 2 * w.abs().max()
+    w[0, 1:16] = w[0, 0] * 11 / 12
+    once = fake_quantize(w, scale_rule=scale_rule)
+    assert torch.equal(fake_quantize(once, scale_rule=scale_rule), once)
+    assert torch.equal(tensor_scale(once), tensor_scale(w))

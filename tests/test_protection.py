@@ -160,8 +160,9 @@ def _model_with_planted_layers():
     with torch.no_grad():
         up = layers["model.layers.2.mlp.up_proj"].weight
         up.copy_(torch.randn(up.shape, generator=g) ** 3 * 0.01)  # heavy tails: NF4's worst, NVFP4's easy case
-        # every block of 16: a largest magnitude 1 and fifteen 7/16, far off E2M1's grid whether the block maps to 6
-        # (2.625, 0.375 from 3) or to 4 (1.75, a midpoint): bad for NVFP4 either way; NF4 holds 0.4407
+        # every block of 16: a largest magnitude 1 and fifteen 7/16. Each block holds the tensor's amax, so every
+        # scale rule keeps e4m3's largest scale (the largest maps to 6): the fifteen land at 2.625, 0.375 from 3.
+        # Bad for NVFP4; NF4 holds 0.4407
         v = layers["model.layers.0.self_attn.v_proj"].weight
         magnitude = torch.full(v.shape, 7 / 16)
         magnitude[:, ::16] = 1.0
