@@ -5,7 +5,10 @@ For each format every decoder linear's weight is replaced by what the format rec
 is what PACT's dequantizer computes from the packed bytes; `nf4_dequantized`, bitsandbytes' arithmetic), then:
 the relative weight error over all of them (||W - deq(q(W))|| / ||W||) and the LM loss over every token of the
 held-out items of the 12 nightly users (the built-in one and 11 generated; text and tag), in fp32. One process, one
-model, formats side by side; deterministic (no timing), so one run is the figure.
+model, formats side by side; deterministic, so one run is the figure. Two checks of the default rule ride along:
+how often its search lands on the best of every e4m3 scale the quantizer may store (codes 8 = 2**-6 to 126 = 448)
+on every 7th linear (30 of 210), and what each rule costs at load (`quantize` over the 210 linears, median of 5;
+the one timing, so the run should be alone).
 
     python benchmarks/bench_scale_rule.py      # 15 minutes on 2 cores beside a test run (alone: less)
 """
@@ -31,6 +34,47 @@ def lm_loss(model, tokenizer, items: list[dict]) -> float:
             total += model(input_ids=ids, labels=ids).loss.item() * (ids.shape[1] - 1)
             count += ids.shape[1] - 1
     return total / count
+
+
+def search_vs_every_scale(weights: list) -> dict:
+    """The default rule's block errors against the best of all 119 storable e4m3 scales, per block, over `weights`."""
+    import torch
+
+    from optimum_pact.nvfp4 import BLOCK_SIZE, tensor_scale
+    from optimum_pact.nvfp4.format import _block_error, scale_blocks
+
+    hits = blocks = 0
+    chosen_error = best_error = 0.0
+    for w in weights:
+        scale, _, scale_2 = scale_blocks(w)
+        magnitude = w.float().abs().reshape(w.shape[0], -1, BLOCK_SIZE)
+        chosen = _block_error(magnitude, scale, scale_2)
+        best = torch.full_like(chosen, float("inf"))
+        for code in range(8, 127):
+            candidate = torch.tensor(code, dtype=torch.uint8).view(torch.float8_e4m3fn).float().expand_as(scale)
+            best = torch.minimum(best, _block_error(magnitude, candidate, tensor_scale(w)))
+        hits += (chosen == best).sum().item()
+        blocks += chosen.numel()
+        chosen_error += chosen.double().sum().item()
+        best_error += best.double().sum().item()
+    return {"linears": len(weights), "blocks": blocks, "best_scale_fraction": hits / blocks,
+            "error_over_best": chosen_error / best_error}  # fmt: skip
+
+
+def quantize_seconds(weights: list, rule: str, repeats: int = 5) -> float:
+    """Median wall-clock seconds to `quantize` every weight under `rule`."""
+    import statistics
+    import time
+
+    from optimum_pact.nvfp4 import quantize
+
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for w in weights:
+            quantize(w, scale_rule=rule)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def main() -> dict:
@@ -67,8 +111,12 @@ def main() -> dict:
                 layer.weight.copy_(r)
         results[name] = {"weight_rel_error": (error / norm) ** 0.5, "lm_loss": lm_loss(model, tokenizer, items)}
         print(f"{name}: {results[name]}", file=sys.stderr, flush=True)
-    summary = {"bench": "bench_scale_rule", "cpu": cpu_model(), "items": len(items), "linears": len(linears),
-               "formats": results}  # fmt: skip
+    weights = list(originals.values())
+    for rule in SCALE_RULES:
+        results[next(name for name in results if f'"{rule}"' in name)]["quantize_s"] = quantize_seconds(weights, rule)
+    summary = {"bench": "bench_scale_rule", "cpu": cpu_model(), "threads": torch.get_num_threads(),
+               "items": len(items), "linears": len(linears), "formats": results,
+               "search_vs_every_scale": search_vs_every_scale(weights[::7])}  # fmt: skip
     print(json.dumps(summary))
     return summary
 

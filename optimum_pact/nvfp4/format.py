@@ -16,8 +16,9 @@ block tries the e4m3 scales from one code below rule 6's to six codes above it (
 and 4's own, and keeps the one with the smallest squared error, as llm-compressor's MSE observer searches its
 scales. On Gaussian and heavy-tailed weights that is the best of all 119 scales e4m3 can store in over 98% of
 blocks (tests/test_nvfp4_format.py). The tensor scale stays torchao's, so a block above 2/3 of the tensor's amax
-cannot reach 4 (its scale stops at 448). Only the quantizer chooses: the bytes are plain NVFP4 and every
-dequantizer reads them unchanged.
+cannot reach 4 (its scale stops at 448), and no block at 448 takes a smaller scale: the tensor's amax comes back
+whole, and quantizing a reconstruction again changes nothing. Only the quantizer chooses: the bytes are plain NVFP4
+and every dequantizer reads them unchanged.
 
 Dequantization is `fp32(fp32(E2M1[code] * fp32(scale)) * scale_2)`, then a cast to the compute dtype.
 `E2M1[code] * fp32(scale)` is exact in FP32, so this equals torchao's `(E2M1 * scale) * scale_2` bit for bit.
@@ -130,7 +131,6 @@ def scale_blocks(
     if scale_2 is None:
         scale_2 = tensor_scale(amax)
     scale = _block_scales(block_amax, scale_2, F4_E2M1_MAX)
-    scaled = _scaled(w, scale, scale_2)
     if scale_rule != "6":
         candidates = [_block_scales(block_amax, scale_2, 4.0)]
         if scale_rule == "mse":
@@ -142,8 +142,7 @@ def scale_blocks(
             better = candidate_error < error  # a tie keeps the earlier scale: rule 6's first
             error = torch.where(better, candidate_error, error)
             scale = torch.where(better, candidate, scale)
-        scaled = _scaled(w, scale, scale_2)
-    return scale, scaled, scale_2
+    return scale, _scaled(w, scale, scale_2), scale_2
 
 
 def _searched_scales(six: torch.Tensor) -> list[torch.Tensor]:
