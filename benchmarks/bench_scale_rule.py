@@ -10,7 +10,7 @@ how often its search lands on the best of every e4m3 scale the quantizer may sto
 on every 7th linear (30 of 210), and what each rule costs at load (`quantize` over the 210 linears, median of 5;
 the one timing, so the run should be alone).
 
-    python benchmarks/bench_scale_rule.py      # 15 minutes on 2 cores beside a test run (alone: less)
+    python benchmarks/bench_scale_rule.py      # 8 minutes alone on 2 cores
 """
 
 from __future__ import annotations
