@@ -183,7 +183,8 @@ def markdown_table(results: dict) -> str:
 
 
 def plot(results: dict, out: Path) -> list[str]:
-    """accuracy_vs_wallclock.png and accuracy_vs_memory.png: one point per method, one panel per workload."""
+    """accuracy_vs_wallclock.png and accuracy_vs_memory.png: one point per method, one panel per workload; a plot
+    whose figure no method has (--no-memory: no peak memory) is not written."""
     try:
         import matplotlib
 
@@ -196,6 +197,8 @@ def plot(results: dict, out: Path) -> list[str]:
     summary = results["summary"]
     for key, xlabel, filename in (("train_s", "training wall-clock per user (s)", "accuracy_vs_wallclock.png"),
                                   ("peak_gib", "peak memory above idle (GiB)", "accuracy_vs_memory.png")):  # fmt: skip
+        if all(r[key] is None for rows in summary.values() for r in rows.values()):
+            continue
         fig, axes = plt.subplots(1, len(summary), figsize=(5.5 * len(summary), 4.2), squeeze=False)
         for ax, (name, rows) in zip(axes[0], summary.items()):
             for method, r in rows.items():

@@ -157,6 +157,19 @@ def test_table_is_written_from_a_results_file(tmp_path, capsys):
     assert "loss within 0.03%, adapter gradients cosine >= 0.999980, relative error <= 0.47%." in out
 
 
+def test_no_memory_plot_without_memory_figures(tmp_path):
+    import personalization_report as report
+
+    rows = {
+        m: {"accuracy": a, "train_s": 10.0 + a, "peak_gib": None, "users": 4}
+        for m, a in (("fp32", 0.8), ("pact", 0.79))
+    }
+    results = {"date": "2026-12-05", "machine": "x86_64", "summary": {"nightly": rows}}
+    assert report.plot(results, tmp_path) == [str(tmp_path / "accuracy_vs_wallclock.png")]  # --no-memory
+    rows["pact"]["peak_gib"] = 0.9
+    assert len(report.plot(results, tmp_path)) == 2 and (tmp_path / "accuracy_vs_memory.png").stat().st_size > 0
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_default_methods_leave_out_emulated_bf16(monkeypatch, capsys, native):
     """Where bf16 is emulated the stock bf16 baseline is 22x slower than fp32 (no user would pick it): the default
