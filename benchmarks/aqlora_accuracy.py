@@ -403,7 +403,7 @@ def main() -> None:
 def summarize(results: dict, config: dict, out: Path, chart: bool) -> dict:
     """Paired comparisons and per-arm means of `results`; writes results.json (atomically) and, with `chart`, the
     bar chart. Returns the summary (results.json less the per-question data)."""
-    from bench_train_step import cpu_model
+    from common import cpu_model
 
     comparisons = {f"{a}_vs_{b}": c for a, b in COMPARISONS if (c := compare(results, a, b)) is not None}
     for name, c in comparisons.items():

@@ -33,7 +33,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))  # protection_controls, beside this script
+sys.path.insert(0, str(Path(__file__).parent))  # common and protection_controls, beside this script
+from common import cpu_model, log, model_folder  # noqa: E402
+
 from optimum_pact.precision.compute_dtype import DTYPES  # noqa: E402
 
 ARMS = ("lora_fp32", "lora_bf16", "qlora_nf4", "pact", "aqlora_quality", "aqlora_speed")
@@ -50,26 +52,7 @@ COMPARISONS = [
     ("lora_fp32", "qlora_nf4"),
     ("qlora_nf4_dup", "qlora_nf4"),  # the noise floor
 ]
-# Qwen2.5-0.5B's published config numbers (random weights: speed and memory only)
-QWEN25_05B = dict(
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    vocab_size=151936,
-    max_position_embeddings=32768,
-    rope_theta=1000000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-)
-QWEN_QUICK = dict(QWEN25_05B, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-                  vocab_size=1024)  # fmt: skip
 MODELS = ("smollm2", "qwen2.5-0.5b")
-
-
-def log(*args) -> None:
-    print(*args, file=sys.stderr, flush=True)
 
 
 def aqlora_available() -> bool:
@@ -77,27 +60,6 @@ def aqlora_available() -> bool:
     from peft_ext import PactConfig
 
     return "protect_fraction" in PactConfig.__dataclass_fields__
-
-
-def model_folder(key: str, quick: bool) -> str:
-    """A local model folder: the cached SmolLM2-135M, or the Qwen2.5-0.5B architecture with seed-0 random weights."""
-    from optimum_pact.cache import cache_dir
-    from optimum_pact.commands.default_model import ensure_default_model
-
-    if key == "smollm2":
-        return str(ensure_default_model())
-    folder = cache_dir("aqlora", "qwen2.5-0.5b-arch-tiny" if quick else "qwen2.5-0.5b-arch-random")
-    if not (folder / "config.json").is_file():
-        import torch
-        from transformers import Qwen2Config, Qwen2ForCausalLM
-
-        log(f"building {folder.name} (random weights, seed 0, bf16) once")
-        torch.manual_seed(0)
-        model = Qwen2ForCausalLM(Qwen2Config(**(QWEN_QUICK if quick else QWEN25_05B))).to(torch.bfloat16)
-        partial = folder.with_name(folder.name + ".partial")
-        model.save_pretrained(partial)
-        partial.rename(folder)
-    return str(folder)
 
 
 def build(
@@ -358,8 +320,6 @@ def main() -> None:
             log(f"{key} {name:>32}: {entry['mean']:+.1%} +/- {sd} over {len(entry['sessions'])} sessions{met}")
     config = {k: getattr(args, k) for k in ("seconds", "warmup", "sessions", "batch", "seq", "r", "protect_fraction",
                                             "adapt_top_blocks", "dtype", "quick")}  # fmt: skip
-    from bench_train_step import cpu_model  # lscpu's model and AMX, one copy (it imports this module: here, late)
-
     print(
         json.dumps({"bench": "aqlora_timing", **config, "cpu": cpu_model(), "skipped_arms": skipped, "models": report})
     )

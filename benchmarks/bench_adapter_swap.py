@@ -31,8 +31,7 @@ from optimum_pact.commands.default_model import ensure_default_model
 from optimum_pact.commands.modeling import PactModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_memory import _status_bytes  # noqa: E402  (the /proc/self/status reader, one copy)
-from bench_train_step import cpu_model  # noqa: E402  (lscpu's model and whether AMX is there)
+from common import cpu_model, status_bytes  # noqa: E402  (lscpu's model and AMX; the /proc/self/status reader)
 
 
 def save_adapters(base: Path, count: int, folder: Path) -> list[Path]:
@@ -64,10 +63,10 @@ def main() -> None:
         subprocess.run([sys.executable, __file__, "--adapters", str(args.adapters), "--save-to", tmp], check=True)
         paths = [Path(tmp) / f"person{i}" for i in range(args.adapters)]
         model = PactModelForCausalLM.from_pretrained(str(base))
-        rss = [_status_bytes("VmRSS")]
+        rss = [status_bytes("VmRSS")]
         for i, path in enumerate(paths):
             model.load_adapter(path, f"person{i}")
-            rss.append(_status_bytes("VmRSS"))
+            rss.append(status_bytes("VmRSS"))
         weights_mib = sum(p.numel() * p.element_size() for n, p in model.model.named_parameters() if "lora_" in n)
         switch_ms, dup_ms = [], []  # the same switches timed in two interleaved series: the second is the noise arm
         for k in range(2 * args.switches):

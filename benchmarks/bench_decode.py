@@ -26,7 +26,7 @@ import tempfile
 import time
 
 import torch
-from bench_train_step import cpu_model  # lscpu's model, AMX, vector width (one copy)
+from common import cpu_model  # lscpu's model, AMX, vector width (one copy)
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 

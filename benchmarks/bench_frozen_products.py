@@ -30,7 +30,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from bench_train_step import cpu_model
+from common import cpu_model
 from torch import nn
 
 from optimum_pact.backends import get_backend

@@ -22,7 +22,7 @@ from optimum_pact.commands.nvfp4_merge import export_nvfp4_merged
 from optimum_pact.precision import resolve_dtype
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_train_step import cpu_model  # noqa: E402  (lscpu's model, AMX, vector width)
+from common import cpu_model  # noqa: E402  (lscpu's model, AMX, vector width)
 
 ARMS = {
     "nvfp4": {"requantize_from": "nvfp4"},

@@ -79,7 +79,7 @@ def quantize_seconds(weights: list, rule: str, repeats: int = 5) -> float:
 
 def main() -> dict:
     import torch
-    from bench_train_step import cpu_model
+    from common import cpu_model
     from personal_tasks import nightly_tasks
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import sys
 import time
 
-from aqlora_timing import model_folder
+from common import cpu_model, model_folder  # lscpu's model and AMX; SmolLM2 or the Qwen2.5 architecture
 
 ARMS = ("lora", "lora_dup", "lora_compile", "lora_pinned", "qlora_nf4", "lora_fp32", "pact", "pact_fused")
 SIZES = {"smollm2": 4, "qwen2.5-0.5b": 2}  # model_folder key: default batch
@@ -95,20 +94,6 @@ def run_arm(arm: str, model_path: str, steps: int, batch: int, seq: int, r: int,
         if i:
             times.append(time.perf_counter() - start)
     return {"arm": arm, "step_s": statistics.median(times), "steps_s": times, "peak_rss_gib": peak_rss_bytes() / 2**30}
-
-
-def cpu_model() -> str:
-    """lscpu's model name, whether AMX is there and the widest vector / bf16 support (the machines differ), e.g.
-    "AMD EPYC (no AMX, AVX-512, AVX512-BF16)"; the platform's processor where lscpu is missing."""
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    except OSError:
-        return platform.processor()
-    name = next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "?")
-    flags = set(next((line.split(":", 1)[1].split() for line in out.splitlines() if line.startswith("Flags")), []))
-    simd = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    bf16 = ", AVX512-BF16" if "avx512_bf16" in flags else ""
-    return f"{name} ({'AMX' if 'amx_tile' in flags else 'no AMX'}, {simd}{bf16})"
 
 
 def main() -> None:

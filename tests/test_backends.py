@@ -115,7 +115,6 @@ def test_torch_backend_runs_on_the_cpu_and_keeps_bf16():
     assert backend.dense_weight_dtype(torch.float32) == backend.dense_weight_dtype(torch.float16) == torch.float16
 
 
-@needs_qnn
 @pytest.mark.parametrize("native", [False, True])
 def test_torch_backend_multiplies_bf16_in_fp32_where_bf16_is_emulated(monkeypatch, native):
     """Without native bf16 (AVX2 CPUs) a bf16 product of many rows is the fp32 product of the same bf16 values,
@@ -140,6 +139,7 @@ def test_torch_backend_multiplies_bf16_in_fp32_where_bf16_is_emulated(monkeypatc
     assert ((y.double() - exact).abs() <= 2**-8 * exact.abs() + 576 * 2**-24 * terms).all()
 
 
+@needs_qnn
 def test_qnn_backend_runs_beside_the_cpu_and_stores_fp16():
     backend = get_backend("qnn", cache=False)
     assert (backend.name, backend.requested, backend.reason) == ("qnn", "qnn", "requested")
