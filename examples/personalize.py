@@ -24,6 +24,7 @@ from peft import get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq, HfArgumentParser
 
 from optimum_pact.commands.data import load_personal_dataset
+from optimum_pact.commands.data.trained_on import TrainedOn
 from optimum_pact.commands.default_model import DEFAULT_MODEL_HUB_ID, DEFAULT_MODEL_NOTE
 from optimum_pact.commands.evaluation import accuracy, classify
 from optimum_pact.commands.finetune import tokenize_examples
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     adapter_dir = Path(args.output_dir) / "adapter"
     if main_process:
         model.save_pretrained(str(adapter_dir))  # plain PEFT files + pact_config.json
+        TrainedOn.of("labelled", train_items).save(adapter_dir)  # so `pact generate` prompts and stops as trained
         after = accuracy(classify(model, tokenizer, texts, labels), golds)
         losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
         settings = {"LoRA rank (r)": script.r, "lora_alpha": script.lora_alpha, "target_modules": "all-linear"}

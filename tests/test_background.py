@@ -126,7 +126,7 @@ def test_adapter_folder_is_hub_ready(job, monkeypatch, tmp_path):
         assert main([*args, "--output", str(out)]) == 0
     adapter = out / "adapter"
     assert {p.name for p in adapter.iterdir()} == {
-        "adapter_config.json", "adapter_model.safetensors", "pact_config.json", "README.md"
+        "adapter_config.json", "adapter_model.safetensors", "pact_config.json", "pact_data.json", "README.md"
     }  # fmt: skip
     card = (adapter / "README.md").read_text()
     summary = json.loads((out / "summary.json").read_text())
@@ -252,7 +252,7 @@ def test_personalize_example_runs_under_accelerate_as_the_readme_says(job, tmp_p
         adapters.append(out / "adapter")
     one, two = adapters
     assert {p.name for p in one.iterdir()} == {p.name for p in two.iterdir()} == {
-        "adapter_config.json", "adapter_model.safetensors", "pact_config.json", "README.md"
+        "adapter_config.json", "adapter_model.safetensors", "pact_config.json", "pact_data.json", "README.md"
     }  # fmt: skip
     assert "| processes | 1 |" in (one / "README.md").read_text()
     assert "| processes | 2 |" in (two / "README.md").read_text()

@@ -1,6 +1,7 @@
-"""Damaged files on disk: a model folder that is not a causal LM, damaged adapter and checkpoint files.
+"""Damaged files on disk: a model folder that is not a causal LM, damaged adapter and checkpoint files, and what
+`pact generate`, `pact chat` and `pact export` make of a missing or damaged adapter or model folder.
 
-Every case ends in one message naming the file and what to do (one `pact finetune: error:` line from the CLI, no
+Every case ends in one message naming the file and what to do (one `pact COMMAND: error:` line from the CLI, no
 traceback), or, for a resumable checkpoint, in the damaged checkpoint being reported and skipped.
 """
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 from conftest import tiny_model
 from datasets import Dataset
-from peft import get_peft_model
+from peft import LoraConfig, get_peft_model
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import BertConfig, BertForMaskedLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, T5Config
 
@@ -358,3 +359,94 @@ def test_damaged_only_checkpoint_is_reported_and_the_run_starts_over(
     assert (checkpoints / "checkpoint-3.corrupt").is_dir()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["background"]["resumed_from_step"] == 0 and summary["steps"] == 4
+
+
+# ---- 5. pact generate, chat and export: a missing or damaged adapter or model folder ----
+
+
+@pytest.fixture(scope="module")
+def to_use(job, tmp_path_factory):
+    """The job's model, a plain LoRA adapter for it, and one for a Qwen2 of other shapes (no base recorded)."""
+    root, model, _ = job
+    folder = tmp_path_factory.mktemp("to_use")
+    for base, name in ((LlamaForCausalLM.from_pretrained(model), "adapter"),
+                       (tiny_model("qwen2", hidden_size=32, intermediate_size=64), "qwen2-adapter")):  # fmt: skip
+        config = LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)
+        get_peft_model(base, config).save_pretrained(folder / name)
+    return model, folder / "adapter", folder / "qwen2-adapter"
+
+
+USES = {
+    "generate": lambda out: ["generate", "--dtype", "float32", "--max_new_tokens", "2", "hi"],
+    "chat": lambda out: ["chat", "--dtype", "float32"],
+    "merged-bf16": lambda out: ["export", "--format", "merged-bf16", "--output", str(out / "merged")],
+    "gguf-lora": lambda out: ["export", "--format", "gguf-lora", "--output", str(out / "adapter.gguf")],
+    "nvfp4-merged": lambda out: ["export", "--format", "nvfp4-merged", "--output", str(out / "nvfp4")],
+}
+
+
+def _no_adapter(model, adapter, other, tmp_path):
+    gone = tmp_path / "gone"
+    return model, gone, [f"--adapter {str(gone)!r} does not exist", "pass the adapter folder of a run"]
+
+
+def _truncated_adapter(model, adapter, other, tmp_path):
+    adapter = _copy(adapter, tmp_path)
+    _truncate(adapter / "adapter_model.safetensors")
+    weights = adapter / "adapter_model.safetensors"
+    return model, adapter, [f"{weights} is damaged (incomplete metadata", "copy the adapter folder again"]
+
+
+def _adapter_config_not_json(model, adapter, other, tmp_path):
+    adapter = _copy(adapter, tmp_path)
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA", "r": ')
+    return model, adapter, [f"{adapter / 'adapter_config.json'} is not valid JSON", "copy the adapter folder again"]
+
+
+def _adapter_of_another_model(model, adapter, other, tmp_path):
+    return model, other, [str(other), "fit", "pass --model"]
+
+
+def _no_model(model, adapter, other, tmp_path):
+    gone = tmp_path / "no-model"
+    return gone, adapter, [f"--model {str(gone)!r} does not exist", "pass an existing model folder"]
+
+
+def _model_config_cut(model, adapter, other, tmp_path):
+    model = _copy(model, tmp_path)
+    _truncate(model / "config.json")
+    return model, adapter, [f"{model / 'config.json'} is not valid JSON", "copy the model folder again"]
+
+
+def _model_weights_cut(model, adapter, other, tmp_path):
+    model = _copy(model, tmp_path)
+    _truncate(model / "model.safetensors")
+    return model, adapter, [f"the weights in {model} could not be loaded (", "copy the model folder again"]
+
+
+DAMAGES = [_no_adapter, _truncated_adapter, _adapter_config_not_json, _adapter_of_another_model, _no_model,
+           _model_config_cut, _model_weights_cut]  # fmt: skip
+
+
+CASES = [
+    pytest.param(use, damage, id=f"{use}-{damage.__name__.strip('_').replace('_', '-')}")
+    for use in USES
+    for damage in DAMAGES
+    if not (use == "gguf-lora" and damage is _model_weights_cut)  # it reads the base's config.json, not its weights
+]
+
+
+@pytest.mark.parametrize("use, damage", CASES)
+def test_generate_chat_and_export_say_in_one_line_which_folder_is_damaged(to_use, tmp_path, capsys, use, damage):
+    model, adapter, needles = damage(*to_use, tmp_path)
+    argv = USES[use](tmp_path / "out")
+    capsys.readouterr()
+    assert main([argv[0], "--model", str(model), "--adapter", str(adapter), *argv[1:]]) == 2
+    err = capsys.readouterr().err
+    command = argv[0]
+    assert "Traceback" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if "error" in line.lower()]
+    assert len(lines) == 1 and lines[0].startswith(f"pact {command}: error: "), err[-3000:]
+    assert err.rstrip().splitlines()[-1] == lines[0], err[-3000:]  # nothing after it: one line says it all
+    assert all(needle in lines[0] for needle in needles), lines[0]
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())  # nothing half-written

@@ -161,3 +161,70 @@ def test_pact_export_refuses_a_non_empty_output_and_a_folder_without_an_adapter(
     assert "has no adapter_config.json" in capsys.readouterr().err and not (tmp_path / "new").exists()
     assert main([*base, "--adapter", str(adapters[0]), "--output", str(tmp_path / "new")]) == 0
     assert (tmp_path / "new" / "model.safetensors").is_file()
+
+
+def test_adapter_takes_one_value_per_flag_so_the_prompt_is_not_swallowed():
+    args, prompt = parse(["--adapter", "runs/sam", "Leo lost another tooth"], "generate")
+    assert args.adapter == ["runs/sam"] and prompt == "Leo lost another tooth"
+    args, prompt = parse(["--adapter", "a=runs/a", "--adapter", "b=runs/b", "--use", "b", "hi"], "generate")
+    assert args.adapter == ["a=runs/a", "b=runs/b"] and args.use == "b" and prompt == "hi"
+
+
+def test_pact_version(capsys):
+    from importlib.metadata import version
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"pact (optimum-pact) {version('optimum-pact')}"
+
+
+def _tagging_adapter(adapter, out, labels):
+    from optimum_pact.commands.data.trained_on import TrainedOn
+
+    out.mkdir()
+    for file in adapter.iterdir():
+        (out / file.name).write_bytes(file.read_bytes())
+    TrainedOn.of("labelled", [{"text": "x", "label": label} for label in labels]).save(out)
+    return out
+
+
+def test_a_tagging_adapter_is_prompted_as_trained_and_answers_no_longer_than_its_longest_tag(
+    small_model, adapters, tmp_path, capsys
+):
+    from optimum_pact.commands.data import PROMPT_TEMPLATE
+
+    tagger = _tagging_adapter(adapters[0], tmp_path / "tagger", ["kin", "wheels", "tally"])
+    pact = PactModelForCausalLM.from_pretrained(str(small_model), adapter=str(tagger), dtype="float32")
+    expected = pact.tokenizer(PROMPT_TEMPLATE.format(text="Leo lost another tooth"))["input_ids"]
+    assert pact.prompt_ids("  Leo lost another tooth ")[0].tolist() == expected
+    chat = [{"role": "user", "content": "MOT due"}, {"role": "assistant", "content": " wheels"}]
+    chat.append({"role": "user", "content": "Leo lost another tooth"})
+    assert pact.prompt_ids(chat)[0].tolist() == expected  # in a chat each message is tagged on its own
+    longest = max(len(pact.tokenizer(" " + t, add_special_tokens=False)["input_ids"]) for t in ["kin", "wheels"])
+    assert pact.max_answer_tokens() == longest + 1
+    # this random adapter never says EOS: the answer is still cut where a trained one would have stopped
+    argv = ["generate", "--model", str(small_model), "--adapter", str(tagger), "--dtype", "float32", "a note"]
+    assert main(argv) == 0
+    ids = pact.prompt_ids("a note")
+    capped, free = (pact.generate(input_ids=ids, max_new_tokens=n, do_sample=False) for n in (longest + 1, 12))
+    decode = pact.tokenizer.decode
+    assert capsys.readouterr().out.strip() == decode(capped[0, ids.shape[1] :], skip_special_tokens=True).strip()
+    assert free.shape[1] > capped.shape[1]  # uncapped, this adapter would have gone on
+    args, _ = parse(["--model", str(small_model), "--adapter", str(tagger), "--dtype", "float32"], "chat")
+    run_chat(args, lines=["a note", "another"])
+    assert capsys.readouterr().out.count("this adapter tags notes: each message gets one of its 3 tags") == 1
+
+
+def test_the_record_of_what_an_adapter_learned(tmp_path):
+    from optimum_pact.commands.data.trained_on import TrainedOn
+
+    system = {"role": "system", "content": "You are Sam."}
+    talk = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hey"}]
+    assert TrainedOn.of("chat", [{"messages": [system, *talk]}] * 2).system == "You are Sam."
+    assert TrainedOn.of("chat", [{"messages": [system, *talk]}, {"messages": talk}]).system is None
+    record = TrainedOn.of("labelled", [{"text": "a", "label": "kin"}, {"text": "b", "label": "tally"}])
+    record.save(tmp_path)
+    assert TrainedOn.load(tmp_path) == record and record.labels == ["kin", "tally"]
+    (tmp_path / "pact_data.json").write_text("{not json")
+    with pytest.raises(ValueError, match="pact_data.json is damaged"):
+        TrainedOn.load(tmp_path)
+    assert TrainedOn.load(tmp_path / "elsewhere") is None

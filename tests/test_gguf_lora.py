@@ -18,6 +18,7 @@ from optimum_pact.commands.cli import main
 from optimum_pact.commands.data import format_example, load_personal_dataset
 from optimum_pact.commands.default_model import default_gguf_path, ensure_default_model
 from optimum_pact.commands.gguf_lora import check_gguf_base, export_gguf_lora, read_adapter
+from optimum_pact.errors import NoSpaceError
 
 PROJECTIONS = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
                "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}  # fmt: skip
@@ -122,7 +123,7 @@ def test_a_failed_write_leaves_no_file_behind(small_model, adapter, tmp_path, mo
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(gguf.GGUFWriter, "write_tensors_to_file", disk_full)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(NoSpaceError, match=f"no space left in {tmp_path / 'out'} while saving adapter.gguf"):
         export_gguf_lora(adapter, tmp_path / "out" / "adapter.gguf", str(small_model))
     assert list((tmp_path / "out").iterdir()) == []
 

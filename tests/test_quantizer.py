@@ -279,11 +279,15 @@ def test_bad_config_values_raise_clear_errors(kwargs, error, needles):
         assert needle in str(info.value), (needle, str(info.value))
 
 
-def test_importing_the_package_registers_the_quantizer_and_imports_no_optional_package():
+def test_importing_the_package_imports_no_optional_package_and_the_config_registers_the_quantizer():
     code = (
         "import sys, optimum_pact\n"
+        "optional = ('peft', 'onnxruntime', 'onnx', 'bitsandbytes', 'gguf', 'torchao', 'transformers.quantizers')\n"
+        "loaded = sorted(m for m in optional if m in sys.modules)\n"
+        "assert not loaded, loaded\n"  # transformers.quantizers imports torchao, which logs as it loads
+        "from optimum_pact import PactQuantizationConfig\n"
         "from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING\n"
-        "assert AUTO_QUANTIZATION_CONFIG_MAPPING['pact'] is optimum_pact.PactQuantizationConfig\n"
+        "assert AUTO_QUANTIZATION_CONFIG_MAPPING['pact'] is PactQuantizationConfig\n"
         "assert AUTO_QUANTIZER_MAPPING['pact'].__name__ == 'PactHfQuantizer'\n"
         "loaded = sorted(m for m in ('peft', 'onnxruntime', 'onnx', 'bitsandbytes', 'gguf') if m in sys.modules)\n"
         "assert not loaded, loaded\n"

@@ -18,14 +18,12 @@ import os
 import re
 import shutil
 import time
-import zipfile
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
-from optimum_pact.files import sha256_file
+from optimum_pact.files import fsync_dir, sha256_file, why_unreadable, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -44,28 +42,9 @@ class CorruptCheckpointError(ValueError):
     read back (the message starts with the checkpoint folder and names the file)."""
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # e.g. Windows cannot open a directory
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_json_atomic(path: Path, data: dict) -> None:
     """Write JSON to `path` via a temp file in the same folder, fsync, rename, fsync the folder."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def _jsonable(value):
@@ -173,14 +152,14 @@ def commit_checkpoint(staging: str | Path, checkpoints_dir: str | Path, info: di
     manifest = {"format": FORMAT_VERSION, "created": time.time(), "files": files, **_jsonable(info)}
     write_json_atomic(staging / MANIFEST_NAME, manifest)
     (staging / STAGING_MARKER).unlink(missing_ok=True)
-    _fsync_dir(staging)
+    fsync_dir(staging)
     checkpoints_dir.mkdir(parents=True, exist_ok=True)
     target = checkpoints_dir / staging.name
     if target.exists():
         _discard(target)
     os.replace(staging, target)
-    _fsync_dir(checkpoints_dir)
-    _fsync_dir(staging.parent)
+    fsync_dir(checkpoints_dir)
+    fsync_dir(staging.parent)
     return target
 
 
@@ -229,34 +208,6 @@ def read_manifest(folder: str | Path) -> dict:
     return manifest
 
 
-def _check_file(path: Path) -> str | None:
-    """Why the Trainer could not read `path` back (None: it can), by its kind: JSON, safetensors, torch.save zip."""
-    if path.suffix == ".json":
-        try:
-            data = json.loads(path.read_text())
-        except UnicodeDecodeError as err:
-            return f"not text ({err})"
-        except ValueError as err:
-            return f"not valid JSON ({err})"
-        if path.name == "trainer_state.json" and not isinstance(data, dict):
-            return "does not hold a JSON object"
-    elif path.suffix == ".safetensors":
-        try:
-            with safe_open(str(path), framework="pt"):
-                pass
-        except (SafetensorError, OSError) as err:
-            return str(err).replace("Error while deserializing header: ", "") or type(err).__name__
-    elif path.suffix in (".pt", ".pth", ".bin"):  # torch.save's format: a zip archive with a CRC per record
-        try:
-            with zipfile.ZipFile(path) as archive:
-                bad = archive.testzip()
-        except (zipfile.BadZipFile, EOFError, ValueError) as err:
-            return f"not a complete torch.save archive ({err})"
-        if bad is not None:
-            return f"record {bad} fails its CRC check"
-    return None
-
-
 def check_contents(folder: str | Path) -> None:
     """Check that the Trainer can read back every file of checkpoint `folder`: JSON files parse, safetensors
     headers cover their file, torch.save archives pass their CRC checks, an adapter has its weights.
@@ -266,10 +217,7 @@ def check_contents(folder: str | Path) -> None:
     """
     folder = Path(folder)
     for path in _payload_files(folder):
-        try:
-            problem = _check_file(path)
-        except OSError as err:
-            problem = f"cannot be read ({err})"
+        problem = why_unreadable(path)
         if problem is not None:
             raise CorruptCheckpointError(f"{folder}: {path.relative_to(folder).as_posix()} is damaged ({problem})")
     if (folder / "adapter_config.json").is_file() and not any(

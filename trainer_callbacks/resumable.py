@@ -5,6 +5,8 @@ The Trainer still writes every checkpoint (`save_strategy="steps"`, `save_steps`
 This callback adds what it lacks: checkpoints every M minutes and on SIGTERM/SIGINT (save, then stop cleanly),
 an atomic commit with a checksum manifest (see `checkpoint.py`), keeping the last K, a verified resume that falls
 back past a corrupt checkpoint, and a refusal to resume a checkpoint from another base model or adapter config.
+A save that fails (a full disk) leaves no half-written checkpoint behind: `training_failed` removes it and says
+how much space the save needs (PactTrainer calls it; with the stock Trainer, call it where `train` raises).
 
 With the stock Trainer::
 
@@ -27,6 +29,9 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
+from optimum_pact.errors import NoSpaceError
+from optimum_pact.files import free_bytes, ran_out_of_space
+
 from .checkpoint import (
     CHECKPOINT_RE,
     MANIFEST_NAME,
@@ -37,6 +42,7 @@ from .checkpoint import (
     find_checkpoint,
     folder_bytes,
     identity_mismatch,
+    list_checkpoints,
     model_identity,
     read_manifest,
     rotate_checkpoints,
@@ -99,6 +105,8 @@ class ResumableExecutionCallback(TrainerCallback, ExportableState):
         self.last_checkpoint: Path | None = None
         self.last_checkpoint_bytes = 0
         self.saved = 0
+        self._saving: Path | None = None  # the checkpoint folder being written, until it is committed
+        self._trainable_bytes = 0
         self._last_save = 0.0
         self._control = None
         self._previous_handlers: dict[int, object] = {}
@@ -188,6 +196,8 @@ class ResumableExecutionCallback(TrainerCallback, ExportableState):
     # ---- Trainer events ----
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         self.identity = model_identity(model) if model is not None else None
+        trainable = [p for p in model.parameters() if p.requires_grad] if model is not None else []
+        self._trainable_bytes = sum(p.numel() * p.element_size() for p in trainable)
         self.resumed_from_step = state.global_step
         saved = (state.stateful_callbacks or {}).get(type(self).__name__) if state.global_step > 0 else None
         saved_identity = saved.get("attributes", {}).get("identity") if isinstance(saved, dict) else None
@@ -229,11 +239,10 @@ class ResumableExecutionCallback(TrainerCallback, ExportableState):
     def on_epoch_end(self, args, state, control, **kwargs):
         self._mark_staging(args, state, control)
 
-    @staticmethod
-    def _mark_staging(args, state, control) -> None:
+    def _mark_staging(self, args, state, control) -> None:
         """Mark the folder the Trainer is about to write, so that a save cut short by a kill is cleaned up later."""
         if control.should_save and state.is_world_process_zero:
-            staging = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            staging = self._saving = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             staging.mkdir(parents=True, exist_ok=True)
             (staging / STAGING_MARKER).touch()
 
@@ -260,6 +269,7 @@ class ResumableExecutionCallback(TrainerCallback, ExportableState):
                     "signal": signal.Signals(self.stop_signal).name if self.stop_signal else None,
                 }
                 target = commit_checkpoint(staging, self.checkpoints_dir(args), info)
+                self._saving = None
                 keep = self.keep if self.keep is not None else args.save_total_limit
                 removed = rotate_checkpoints(self.checkpoints_dir(args), keep)
                 self.last_checkpoint, self.last_checkpoint_bytes = target, folder_bytes(target)
@@ -275,6 +285,35 @@ class ResumableExecutionCallback(TrainerCallback, ExportableState):
     def on_train_end(self, args, state, control, **kwargs):
         self._restore_signal_handlers()
         self._control = None
+
+    def training_failed(self, args, err: BaseException) -> NoSpaceError | None:
+        """Call when `train` raised `err` (PactTrainer.train does). If a checkpoint was being saved, its half-written
+        folder is removed (the committed checkpoints stay as they are) and, when the save ran out of disk space, the
+        NoSpaceError to raise instead is returned: it names the folder, the space a checkpoint needs and the space
+        free. None: `err` stands."""
+        self._restore_signal_handlers()
+        self._control = None
+        staging, self._saving = self._saving, None
+        if staging is None or args.process_index != 0:
+            return None
+        needed = self._checkpoint_bytes(args)
+        full = ran_out_of_space(err, staging.parent, needed)  # measured with the half-written folder still there
+        shutil.rmtree(staging, ignore_errors=True)
+        logger.info(f"resumable: removed {staging}, a checkpoint left unfinished by a failed save ({err!r})")
+        if not full:
+            return None
+        fix = "free space, then resume from the last committed checkpoint (train(resume_from_checkpoint=True))"
+        return NoSpaceError(args.output_dir, staging.name, needed, free_bytes(args.output_dir), fix)
+
+    def _checkpoint_bytes(self, args) -> int:
+        """About the size of the next checkpoint: the newest committed one's, or, before the first, the adapter and
+        two optimizer states per trainable weight plus the small files."""
+        if self.last_checkpoint is not None:
+            return self.last_checkpoint_bytes
+        committed = list_checkpoints(self.checkpoints_dir(args))
+        if committed:
+            return folder_bytes(committed[-1])
+        return 3 * self._trainable_bytes + (64 << 10)
 
     def metrics(self) -> dict[str, float]:
         out = {"pact_checkpoints_saved": self.saved}

@@ -7,9 +7,18 @@ import logging
 from pathlib import Path
 
 import torch
-from transformers import Trainer, TrainerCallback, default_data_collator
+from torch.utils.data import DataLoader
+from transformers import (
+    AttentionMaskInterface,
+    DataCollatorWithFlattening,
+    Trainer,
+    TrainerCallback,
+    default_data_collator,
+)
+from transformers.trainer_callback import ProgressCallback
 
 from optimum_pact.dataflow import FrozenLinear
+from optimum_pact.errors import OptionError
 from optimum_pact.fusion import fuse_cpu_ops
 from optimum_pact.memory import MemorySavers, OffloadError, check_subset_k, pin_mmap_threshold
 from peft_ext.conversion import apply_pact_options
@@ -30,11 +39,41 @@ class _ThreadsCallback(TrainerCallback):
         torch.set_num_threads(self.num_threads)
 
 
+def attention_implementation(model) -> str | None:
+    """The attention implementation `model` runs (`config._attn_implementation`), None if it has no config."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
+
+
+def supports_padding_free(model) -> bool:
+    """Whether `model`'s attention keeps the examples of a padding-free row apart. transformers 5 does so wherever it
+    builds the attention mask (masking_utils, every implementation in `AttentionMaskInterface`: eager, sdpa,
+    flex_attention; flash_attention_* run varlen): position ids that restart start a new example."""
+    return attention_implementation(model) in AttentionMaskInterface().valid_keys()
+
+
+class PaddingFreeCollator(DataCollatorWithFlattening):
+    """transformers' `DataCollatorWithFlattening` (one row, position ids restarting per example, each example's first
+    label -100) that refuses rows with padding in them: their pad tokens would join the row as text."""
+
+    def __call__(
+        self, features: list[dict], return_tensors: str | None = None, separator_id: int | None = None
+    ) -> dict:
+        for feature in features:
+            if 0 in feature.get("attention_mask", ()):
+                raise ValueError(
+                    "pact_padding_free=True: a training row has attention_mask zeros (it is padded); padding-free "
+                    "batches join rows as they are, so pad tokens would be read as text. Tokenize without padding "
+                    "or set pact_padding_free=False."
+                )
+        return super().__call__(features, return_tensors, separator_id)
+
+
 class PactTrainer(Trainer):
     """`Trainer` that reads `PactTrainingArguments` and adds the matching callbacks.
 
     It trains any model; a model without a `FrozenLinear` (no `PactConfig` applied) trains as plain LoRA and
-    gets a warning, since none of PACT's frozen-weight products run then.
+    gets a warning, since none of PACT's frozen-weight products run then. With pact_padding_free each training batch
+    is one row (`PaddingFreeCollator`); evaluation and the calibration batch use the given data collator.
     """
 
     def __init__(self, model=None, args: PactTrainingArguments | None = None, *pargs, **kwargs):
@@ -47,7 +86,10 @@ class PactTrainer(Trainer):
         self.memory_savers: MemorySavers | None = None  # set while train() runs with pact_memory_saver
         self.mapped_weights: dict | None = None  # after train() with memory savers: `_mapped_weights_metrics()`
         self.fused_cpu_ops = None  # optimum_pact.fusion.FusedCpuOps, set by train() with pact_fuse_cpu_ops
+        self.padding_free_collator: PaddingFreeCollator | None = None  # training batches, with pact_padding_free
         if isinstance(self.args, PactTrainingArguments):
+            if self.args.pact_padding_free:
+                self.padding_free_collator = self._padding_free_collator()
             if self.args.pact_num_threads is not None:
                 self.add_callback(_ThreadsCallback(self.args.pact_num_threads))
             if self.args.pact_report_resources:
@@ -87,6 +129,36 @@ class PactTrainer(Trainer):
         convert = bool(given) or args.pact_nvfp4_base
         return apply_pact_options(model, options, given, convert, MODEL_PREFIX, batch)
 
+    def _padding_free_collator(self) -> PaddingFreeCollator:
+        used = attention_implementation(self.model)
+        if not supports_padding_free(self.model):
+            raise OptionError(
+                "pact_padding_free",
+                f"pact_padding_free=True: this model's attention implementation {used!r} does not keep packed "
+                f"examples apart (transformers does for {', '.join(AttentionMaskInterface().valid_keys())}); load "
+                "the model with attn_implementation='sdpa' (or call model.set_attn_implementation('sdpa')), or set "
+                "pact_padding_free=False.",
+            )
+        given = type(self.data_collator).__name__
+        logger.info(
+            "PactTrainer: padding-free training batches (DataCollatorWithFlattening, %s attention) instead of %s, "
+            "which evaluation keeps",
+            used,
+            given,
+        )
+        return PaddingFreeCollator()
+
+    def get_train_dataloader(self) -> DataLoader:
+        """`Trainer.get_train_dataloader` (its documented hook); with pact_padding_free it batches with the
+        padding-free collator, while evaluation keeps the given one."""
+        if self.padding_free_collator is None:
+            return super().get_train_dataloader()
+        given, self.data_collator = self.data_collator, self.padding_free_collator
+        try:
+            return super().get_train_dataloader()
+        finally:
+            self.data_collator = given
+
     def callback(self, kind: type) -> TrainerCallback | None:
         """The registered callback of type `kind`, or None (looked up each time: a resume may replace it)."""
         return next((cb for cb in self.callback_handler.callbacks if isinstance(cb, kind)), None)
@@ -108,7 +180,9 @@ class PactTrainer(Trainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """`Trainer.train`; with pact_resumable, `resume_from_checkpoint=True` takes the newest verified checkpoint
         (corrupt ones are reported and skipped) and a given path is verified first. A checkpoint from another base
-        model or adapter configuration is refused with a ValueError."""
+        model or adapter configuration is refused with a ValueError. A checkpoint save that runs out of disk space
+        is a NoSpaceError (an OSError) naming the folder and the space needed; the half-written checkpoint is removed.
+        """
         if self.resumable is not None and resume_from_checkpoint is True:
             found = self.find_checkpoint()
             if found is None:
@@ -127,6 +201,12 @@ class PactTrainer(Trainer):
         try:
             self.memory_savers = self._start_memory_savers()
             return super().train(resume_from_checkpoint, *args, **kwargs)
+        except Exception as err:  # a checkpoint save cut short: no half-written folder, a full disk said as such
+            self._close_progress_bar()  # what is said next starts a line of its own
+            no_space = self.resumable.training_failed(self.args, err) if self.resumable is not None else None
+            if no_space is None:
+                raise
+            raise no_space from err
         finally:  # also on a failed step: the forwards are restored and the offload files deleted
             if self.memory_savers is not None:
                 self.mapped_weights = self._mapped_weights_metrics()
@@ -134,6 +214,13 @@ class PactTrainer(Trainer):
                 self.memory_savers = None
             if self.fused_cpu_ops is not None:
                 self.fused_cpu_ops.restore()
+
+    def _close_progress_bar(self) -> None:
+        """End the Trainer's progress bar after a failed `train` (on_train_end, which closes it, does not run then)."""
+        progress = self.callback(ProgressCallback)
+        if progress is not None and getattr(progress, "training_bar", None) is not None:
+            progress.training_bar.close()
+            progress.training_bar = None
 
     def _start_memory_savers(self) -> MemorySavers | None:
         args = self.args

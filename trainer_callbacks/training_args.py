@@ -108,6 +108,16 @@ class PactTrainingArguments(TrainingArguments, PactModelArguments):
         default=True,
         metadata={"help": "Log the process's peak resident memory and the training throughput with the metrics."},
     )
+    pact_padding_free: bool = field(
+        default=False,
+        metadata={
+            "help": "Train on padding-free batches (transformers' DataCollatorWithFlattening): a batch's examples "
+            "in one row, position ids restarting at each, attention kept inside each example, so no pad token is "
+            "computed and the loss and gradients are the padded batch's. Needs an attention implementation that "
+            "reads packed position ids (eager, sdpa, flex_attention, flash_attention_*) and use_cache=False; "
+            "evaluation and the calibration batch keep the given data collator."
+        },
+    )
     # ---- pacing (ThermalPacingCallback); setting any option below turns it on ----
     pact_thermal_pacing: bool = field(
         default=False,
@@ -221,6 +231,7 @@ class PactTrainingArguments(TrainingArguments, PactModelArguments):
             raise OptionError(
                 "pact_fuse_cpu_ops", f"pact_fuse_cpu_ops={self.pact_fuse_cpu_ops!r} must be True or False."
             )
+        self._check_padding_free()
         check_pacing_options(
             self.pact_thermal_limit_c,
             self.pact_thermal_hysteresis_c,
@@ -265,6 +276,27 @@ class PactTrainingArguments(TrainingArguments, PactModelArguments):
             raise OptionError(
                 "save_total_limit",
                 f"save_total_limit={self.save_total_limit!r} must be at least 1 with pact_resumable.",
+            )
+
+    def _check_padding_free(self) -> None:
+        if not isinstance(self.pact_padding_free, bool):
+            raise OptionError(
+                "pact_padding_free", f"pact_padding_free={self.pact_padding_free!r} must be True or False."
+            )
+        if self.pact_padding_free and self.use_cache:  # transformers finds packed examples only without a KV cache
+            raise OptionError(
+                "pact_padding_free",
+                "pact_padding_free=True needs use_cache=False: with a KV cache transformers does not read the packed "
+                "position ids, so attention would cross from one example into the next; drop use_cache=True or set "
+                "pact_padding_free=False.",
+            )
+        if self.pact_padding_free and self.neftune_noise_alpha is not None:
+            raise OptionError(
+                "pact_padding_free",
+                f"pact_padding_free=True does not go with neftune_noise_alpha={self.neftune_noise_alpha!r}: NEFTune "
+                "scales its noise by 1/sqrt(row length), so a batch joined into one row would get about "
+                "1/sqrt(batch size) of the padded batch's noise; set pact_padding_free=False or drop "
+                "neftune_noise_alpha.",
             )
 
     def _check_memory_saver_options(self) -> None:

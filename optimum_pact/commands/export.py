@@ -21,11 +21,10 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, PeftModel
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ..quantizer import PactQuantizationConfig
 from .gguf_lora import export_gguf_lora
-from .model_folder import check_paths, resolve_model, written_aside
+from .model_folder import adapter_loading, check_paths, load_causal_lm, load_tokenizer, resolve_model, written_aside
 from .nvfp4_merge import REQUANTIZE_FROM, export_nvfp4_merged
 
 FORMATS = ("merged-bf16", "gguf-lora", "nvfp4-merged")
@@ -64,13 +63,16 @@ def export_merged(adapter: str | Path, output: str | Path, base: str | None = No
     """Write base (NVFP4, dequantized) + adapter merged as a plain transformers folder at `output`; returns it."""
     adapter, output = check_paths(adapter, output)
     path = resolve_model(base)
-    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=PactQuantizationConfig(), dtype=dtype)
+    model = load_causal_lm(path, base, quantization_config=PactQuantizationConfig(), dtype=dtype)
     model = model.dequantize(dtype=dtype)  # the effective weights the adapter was trained against
-    config = LoraConfig.from_pretrained(str(adapter))
-    merged = PeftModel.from_pretrained(model, str(adapter), config=config).merge_and_unload()
-    with written_aside(output) as tmp:
+    tokenizer = load_tokenizer(path, base)
+    with adapter_loading(adapter, path):
+        config = LoraConfig.from_pretrained(str(adapter))
+        merged = PeftModel.from_pretrained(model, str(adapter), config=config).merge_and_unload()
+    size = sum(p.numel() * p.element_size() for p in merged.parameters())
+    with written_aside(output, needs=size) as tmp:
         merged.save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(path).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
     return output
 
 

@@ -16,29 +16,36 @@ from pathlib import Path
 import torch
 from datasets import Dataset
 from peft import get_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer, DataCollatorForSeq2Seq
+from transformers import DataCollatorForSeq2Seq
 
 from trainer_callbacks import PactTrainer, TrainingInterrupted
 from trainer_callbacks.lock import OutputDirLock
 from trainer_callbacks.resources import peak_rss_bytes
+from trainer_callbacks.trainer import attention_implementation, supports_padding_free
 
 from ..dataflow import FrozenLinear
+from ..errors import NoSpaceError
+from ..files import free_bytes, is_disk_full, write_text_atomic
 from ..precision import resolve_dtype
 from .arguments import FinetuneRun
 from .data import format_example, load_personal_dataset
 from .data.generative import builtin_data, file_format, load_generative_dataset, prompt_ids, tokenize_generative
+from .data.trained_on import TrainedOn
 from .evaluation import accuracy, answer, classify, heldout_loss
-from .model_folder import resolve_model
+from .model_folder import RUN_AGAIN, load_causal_lm, load_tokenizer, resolve_model, written_aside
 from .summary import FinetuneSummary, write_card
 
 
 def tokenize_examples(tokenizer, items: list[dict]) -> list[dict]:
-    """Prompt + target tokens; the loss sees only the target (prompt labels are -100)."""
+    """Prompt + target + end of sequence; the loss sees the target and the end (prompt labels are -100), so the
+    adapter learns to answer with one label and stop."""
+    if tokenizer.eos_token_id is None:
+        raise ValueError("this tokenizer has no end-of-sequence token, so a labelled answer could not end; set one")
     rows = []
     for item in items:
         prompt, target = format_example(item["text"], item["label"])
         prompt_ids = tokenizer(prompt)["input_ids"]
-        target_ids = tokenizer(target, add_special_tokens=False)["input_ids"]
+        target_ids = tokenizer(target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         rows.append(
             {
                 "input_ids": prompt_ids + target_ids,
@@ -83,30 +90,23 @@ def _finetune(run: FinetuneRun) -> FinetuneSummary:
     form, train_items, heldout_items = load_data(job.data)  # validate the data before any slow work
     backend = config.get_backend()  # the model's one backend: a qnn that cannot start fails here, before loading
     model_path = resolve_model(job.model)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-    except (OSError, ValueError, TypeError) as err:  # e.g. no tokenizer files: transformers asks for sentencepiece
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        detail = "" if first.endswith(":") else f" ({first})"  # transformers' sentencepiece list reads as noise
-        fix = (
-            "the folder needs the files tokenizer.save_pretrained writes (tokenizer.json, tokenizer_config.json) "
-            "next to config.json"
-            if Path(model_path).is_dir()
-            else "check the Hub id and the network, or pass a local model folder"
-        )
-        given = f"--model {job.model!r}" if job.model is not None else "the default model"
-        raise ValueError(f"{given}: the tokenizer in {model_path} could not be loaded{detail}; {fix}.") from err
+    tokenizer = load_tokenizer(model_path, job.model)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     dtype = resolve_dtype(job.dtype)
     if job.dtype == "auto" and dtype == torch.float32:
         _say("computing in float32: this CPU has no native bf16 arithmetic (emulated bf16 is many times slower)")
-    try:
-        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
-    except OSError as err:
-        raise FileNotFoundError(f"--model {job.model!r} could not be loaded: {err}") from err
+    base = load_causal_lm(model_path, job.model, dtype=dtype)
 
+    # padded batches for the held-out loss and the calibration batch; with pact_padding_free (the main job's default)
+    # PactTrainer joins each training batch into one row instead: the same loss and gradients, no pad tokens computed
     collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+    if args.pact_padding_free and not supports_padding_free(base):
+        _say(
+            f"padding-free batches off: this model's attention ({attention_implementation(base)}) does not keep "
+            "packed examples apart; training batches are padded"
+        )
+        args.pact_padding_free = False
     held_out = HeldOut(form, tokenizer, train_items, heldout_items, collator)
     before = held_out.measure(base)
     if form == "labelled":
@@ -134,7 +134,11 @@ def _finetune(run: FinetuneRun) -> FinetuneSummary:
     if resume is not None:
         _say(f"resuming from {resume}")
     start = time.perf_counter()
-    result = trainer.train(resume_from_checkpoint=resume)
+    again = f"{RUN_AGAIN} to continue" if job.background else RUN_AGAIN
+    try:
+        result = trainer.train(resume_from_checkpoint=resume)
+    except NoSpaceError as err:  # saving a checkpoint: the half-written one is gone, the committed ones resume the run
+        raise err.with_fix(again) from err.__cause__
     train_seconds = time.perf_counter() - start
     resumable = trainer.resumable
     if resumable is not None and resumable.stop_signal is not None:
@@ -150,7 +154,6 @@ def _finetune(run: FinetuneRun) -> FinetuneSummary:
 
     after = held_out.measure(peft_model)
     adapter_dir = Path(job.output) / "adapter"
-    peft_model.save_pretrained(str(adapter_dir))
     extra = None
     if job.background:
         extra = {"resumed_from_step": resumable.resumed_from_step, "checkpoints": str(resumable.checkpoints_dir(args))}
@@ -186,8 +189,19 @@ def _finetune(run: FinetuneRun) -> FinetuneSummary:
         fused_compile_s=trainer.fused_cpu_ops.compile_seconds() if trainer.fused_cpu_ops is not None else None,
         **(trainer.mapped_weights or {}),
     )
-    write_card(adapter_dir, job.model, config, args, summary)
-    (Path(job.output) / "summary.json").write_text(json.dumps(summary.to_dict(), indent=2) + "\n")
+    # written aside and swapped in whole: a failed save (a full disk) leaves an earlier run's adapter as it was
+    adapter_bytes = sum(p.numel() * p.element_size() for p in peft_model.parameters() if p.requires_grad)
+    with written_aside(adapter_dir, replace=True, needs=adapter_bytes + (64 << 10), fix=again) as tmp:
+        peft_model.save_pretrained(str(tmp))
+        TrainedOn.of(form, train_items).save(tmp)
+        write_card(tmp, job.model, config, args, summary)
+    text = json.dumps(summary.to_dict(), indent=2) + "\n"
+    try:
+        write_text_atomic(Path(job.output) / "summary.json", text)
+    except OSError as err:
+        if not is_disk_full(err):
+            raise
+        raise NoSpaceError(job.output, "summary.json", len(text), free_bytes(job.output), again) from err
     return summary
 
 

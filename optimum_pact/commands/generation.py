@@ -1,6 +1,6 @@
 """`pact generate` and `pact chat`: use the adapters you trained, on the same NVFP4 base and backends.
 
-    pact generate --adapter my-run/adapter "Message from Tom: Pub quiz tonight?"
+    pact generate --adapter pact-output/adapter "Leo lost another tooth"        # a tagging adapter answers a tag
     pact generate --adapter sam=runs/sam --adapter jo=runs/jo --use jo "..."   # several people, one base
     pact chat --adapter my-run/adapter                                         # /reset, /quit
 
@@ -27,12 +27,15 @@ class _GenerateOwn:
     adapter: list[str] = field(
         default_factory=list,
         metadata={
-            "help": "Adapter folder, or NAME=FOLDER; repeat it to load several people's adapters on one base.",
-            "action": "extend",
+            "help": "Adapter folder, or NAME=FOLDER; repeat the flag to load several people's adapters on one base.",
+            "action": "append",
         },
     )
     use: str | None = field(default=None, metadata={"help": "The adapter NAME to generate with (default: the first)."})
-    max_new_tokens: int = field(default=128, metadata={"help": "Tokens to generate at most."})
+    max_new_tokens: int = field(
+        default=256,
+        metadata={"help": "Tokens to generate at most; generation stops at the end of sequence before that."},
+    )
     temperature: float = field(default=0.0, metadata={"help": "0: greedy; above 0: sampling at this temperature."})
     top_p: float = field(default=1.0, metadata={"help": "Sampling: nucleus probability mass."})
     dtype: str = field(
@@ -78,17 +81,34 @@ def _generate(model: PactModelForCausalLM, ids, args) -> str:
             f"the prompt ({ids.shape[1]} tokens) plus --max_new_tokens {args.max_new_tokens} exceeds the model's "
             f"{context}-token context; shorten the prompt or lower --max_new_tokens (in chat: /reset)."
         )
+    answer = model.max_answer_tokens()  # a tagging adapter answers one label and its end of sequence
+    max_new_tokens = args.max_new_tokens if answer is None else min(answer, args.max_new_tokens)
     sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p} if args.temperature else {}
-    streamer = TextStreamer(model.tokenizer, skip_prompt=True, skip_special_tokens=True)
-    out = model.generate(
-        input_ids=ids, max_new_tokens=args.max_new_tokens, streamer=streamer, do_sample=False, **sampling
-    )
+    streamer = AnswerStreamer(model.tokenizer, skip_prompt=True, skip_special_tokens=True)
+    out = model.generate(input_ids=ids, max_new_tokens=max_new_tokens, streamer=streamer, do_sample=False, **sampling)
     return model.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+class AnswerStreamer(TextStreamer):
+    """transformers' TextStreamer without the answer's leading space (a tag is learned as " kin": it prints kin)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.started = False
+
+    def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+        if not self.started:
+            text = text.lstrip()
+            self.started = bool(text)
+        super().on_finalized_text(text, stream_end)
 
 
 def parse(argv: list[str], command: str) -> tuple:
     """(GenerateArguments, prompt or None) from a `pact generate` / `pact chat` command line."""
     parser = HfArgumentParser(GenerateArguments, prog=f"pact {command}")
+    # HfArgumentParser gives a list field nargs="+", so `--adapter DIR "prompt"` would swallow the prompt: one value
+    # per --adapter, repeated (tests/test_generation.py fails loudly if HfArgumentParser changes this action)
+    next(action for action in parser._actions if action.dest == "adapter").nargs = None
     if command == "generate":
         parser.add_argument("prompt", help="The text to continue (in quotes).")
     parsed = parser.parse_args_into_dataclasses(argv)
@@ -104,7 +124,10 @@ def run_chat(args, lines=None, out=None) -> list[dict]:
     """Read user turns from `lines` (stdin), answer each with the chat template; `/reset` forgets, `/quit` ends."""
     out = sys.stdout if out is None else out
     model = load(args)
-    if not getattr(model.tokenizer, "chat_template", None):
+    record = model.active_trained_on
+    if record is not None and record.tags:
+        print(f"note: {record.describe()}; each message is tagged on its own.", file=out)
+    elif not getattr(model.tokenizer, "chat_template", None):
         print("note: this model has no chat template; turns are sent as plain text.", file=out)
     messages: list[dict] = []
     for line in lines if lines is not None else _stdin():
@@ -128,6 +151,7 @@ def _stdin():
         try:
             yield input("> ")
         except EOFError:
+            print()  # the prompt's line ends
             return
 
 

@@ -20,8 +20,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from ..files import read_json_object
-from .model_folder import check_adapter_folder, resolve_model
+from ..errors import NoSpaceError
+from ..files import free_bytes, ran_out_of_space, read_json_object
+from .model_folder import RUN_AGAIN, check_adapter_folder, resolve_model
 
 # transformers model_type -> llama.cpp architecture
 ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2"}
@@ -230,6 +231,13 @@ def export_gguf_lora(
         writer.write_tensors_to_file()
         writer.close()
         os.replace(tmp, output)
+    except Exception as err:
+        size = sum(a.nbytes + b.nbytes for a, b in lora.tensors.values())
+        if not ran_out_of_space(err, output.parent, size):
+            raise
+        writer.close()
+        tmp.unlink(missing_ok=True)
+        raise NoSpaceError(output.parent, output.name, size, free_bytes(output.parent), RUN_AGAIN) from err
     finally:
         writer.close()  # again after a failure: the file is closed before it is removed
         tmp.unlink(missing_ok=True)

@@ -1,5 +1,6 @@
 """Which model folder a command loads: the embedded default model, a local folder checked to hold a causal LM, or
-a Hub id. Shared by `pact finetune`, `pact generate` / `pact chat` and `pact export`."""
+a Hub id; the adapter folders it reads and the folders it writes. Shared by `pact finetune`, `pact generate` /
+`pact chat` and `pact export`: a missing or damaged folder is one error naming it and what to do."""
 
 from __future__ import annotations
 
@@ -7,16 +8,22 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import transformers
-from transformers import AutoConfig
+from safetensors import SafetensorError
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
-from ..files import read_json_object
+from ..errors import NoSpaceError
+from ..files import free_bytes, ran_out_of_space, read_json_object, why_unreadable
 from .default_model import ensure_default_model
+
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+RUN_AGAIN = "free space and run the same command again"
 
 
 def resolve_model(model: str | None) -> str:
@@ -81,14 +88,90 @@ def check_model_folder(path: Path, given: str) -> None:
         )
 
 
-def check_adapter_folder(adapter: str | Path) -> Path:
-    """`adapter` as a Path, if it is an adapter folder (it holds adapter_config.json)."""
-    adapter = Path(adapter)
-    if not (adapter / "adapter_config.json").is_file():
-        raise FileNotFoundError(
-            f"--adapter {str(adapter)!r} has no adapter_config.json; pass the adapter folder of a run"
+def _first_line(err: BaseException) -> str:
+    """The line of `err`'s message that says what went wrong (not a heading such as "Error(s) in loading ...:")."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    line = next((line for line in lines if not line.endswith(":")), lines[0] if lines else type(err).__name__)
+    return line.rstrip(".")
+
+
+def _model_given(given: str | None) -> str:
+    return f"--model {given!r}" if given is not None else "the default model"
+
+
+def _model_fix(path: str, given: str | None) -> str:
+    if given is None:
+        return f"delete {path} so that the next command makes it again"
+    if Path(path).is_dir():
+        return "copy the model folder again, or pass a folder written by save_pretrained"
+    return "check the Hub id and the network, or pass a local model folder"
+
+
+def load_causal_lm(path: str, given: str | None, **kwargs):
+    """`AutoModelForCausalLM.from_pretrained(path, **kwargs)`; weights that are missing, cut short or do not fit
+    config.json (or a Hub id that cannot be fetched) are a ValueError naming the folder and what to do. `given`:
+    the --model value it was resolved from (None: the default model)."""
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except (OSError, SafetensorError, RuntimeError) as err:
+        raise ValueError(
+            f"{_model_given(given)}: the weights in {path} could not be loaded ({_first_line(err)}); "
+            f"{_model_fix(path, given)}."
+        ) from err
+
+
+def load_tokenizer(path: str, given: str | None):
+    """`AutoTokenizer.from_pretrained(path)`; missing or damaged tokenizer files are a ValueError naming the folder
+    and what to do (`given` as for `load_causal_lm`)."""
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as err:  # e.g. no tokenizer files: transformers asks for sentencepiece
+        first = _first_line(err)
+        detail = "" if first.endswith(":") else f" ({first})"  # transformers' sentencepiece list reads as noise
+        fix = (
+            "the folder needs the files tokenizer.save_pretrained writes (tokenizer.json, tokenizer_config.json) "
+            "next to config.json"
+            if Path(path).is_dir()
+            else "check the Hub id and the network, or pass a local model folder"
         )
+        raise ValueError(
+            f"{_model_given(given)}: the tokenizer in {path} could not be loaded{detail}; {fix}."
+        ) from err
+
+
+def check_adapter_folder(adapter: str | Path) -> Path:
+    """`adapter` as a Path, if it is an adapter folder that reads back: adapter_config.json holds a JSON object and
+    the weights are there and whole. Otherwise FileNotFoundError (missing) or ValueError (damaged), naming the
+    file and what to do."""
+    adapter = Path(adapter)
+    given = f"--adapter {str(adapter)!r}"
+    of_a_run = "pass the adapter folder of a run (OUTPUT/adapter of pact finetune)"
+    if not adapter.is_dir():
+        raise FileNotFoundError(f"{given} {'is not a folder' if adapter.exists() else 'does not exist'}; {of_a_run}")
+    weights = next((adapter / name for name in ADAPTER_WEIGHTS if (adapter / name).is_file()), None)
+    missing = [] if (adapter / "adapter_config.json").is_file() else ["has no adapter_config.json"]
+    missing += [] if weights is not None else ["holds no adapter weights (adapter_model.safetensors)"]
+    if missing:
+        raise FileNotFoundError(f"{given} {' and '.join(missing)}; {of_a_run}")
+    again = f"copy the adapter folder again, or {of_a_run}"
+    read_json_object(adapter / "adapter_config.json", again, label=f"{given}: {adapter / 'adapter_config.json'}")
+    problem = why_unreadable(weights)
+    if problem is not None:
+        raise ValueError(f"{given}: {weights} is damaged ({problem}): it was cut short or changed; {again}")
     return adapter
+
+
+@contextmanager
+def adapter_loading(adapter: str | Path, base: str) -> Iterator[None]:
+    """Around peft's loading of `adapter` onto `base`: an adapter that does not fit the base (other module names
+    or shapes: trained on another model) is a ValueError naming both and what to do."""
+    try:
+        yield
+    except (RuntimeError, ValueError, KeyError, SafetensorError) as err:
+        raise ValueError(
+            f"--adapter {str(adapter)!r} does not fit the base {base} ({_first_line(err)}); pass --model with the "
+            "base it was trained on, or an adapter trained on this base"
+        ) from err
 
 
 def check_paths(adapter: str | Path, output: str | Path) -> tuple[Path, Path]:
@@ -100,22 +183,51 @@ def check_paths(adapter: str | Path, output: str | Path) -> tuple[Path, Path]:
 
 
 @contextmanager
-def written_aside(output: Path) -> Iterator[Path]:
+def written_aside(
+    output: Path, replace: bool = False, needs: int | None = None, fix: str = RUN_AGAIN
+) -> Iterator[Path]:
     """A new folder beside `output` to write into, renamed to `output` when the block succeeds and removed when it
-    fails: a failed export leaves no half-written folder at `output`. It gets the permissions a plain mkdir would
-    (a temporary folder is private)."""
+    fails: a failed write leaves no half-written folder at `output`. With `replace`, a folder already at `output` is
+    swapped out only once the new one is complete. A write that runs out of disk space is a NoSpaceError naming the
+    folder, the space needed (`needs` bytes, an estimate; None: unknown) and ending in `fix`. The folder gets the
+    permissions a plain mkdir would (a temporary folder is private)."""
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}-partial-"))
     try:
-        yield tmp
+        try:
+            yield tmp
+        except Exception as err:
+            if not ran_out_of_space(err, output.parent, needs):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise NoSpaceError(output.parent, output.name, needs, free_bytes(output.parent), fix) from err
         umask = os.umask(0)
         os.umask(umask)
         tmp.chmod(0o777 & ~umask)
-        if output.exists():
-            output.rmdir()  # an empty folder the user made for it
-        os.replace(tmp, output)
+        if replace and output.is_dir() and any(output.iterdir()):
+            old = output.with_name(f".{output.name}-old-{os.getpid()}-{time.monotonic_ns()}")
+            os.replace(output, old)
+            try:
+                os.replace(tmp, output)
+            except OSError:
+                os.replace(old, output)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            if output.exists():
+                output.rmdir()  # an empty folder the user made for it
+            os.replace(tmp, output)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-__all__ = ["check_adapter_folder", "check_model_folder", "check_paths", "resolve_model", "written_aside"]
+__all__ = [
+    "adapter_loading",
+    "check_adapter_folder",
+    "check_model_folder",
+    "check_paths",
+    "load_causal_lm",
+    "load_tokenizer",
+    "resolve_model",
+    "written_aside",
+]

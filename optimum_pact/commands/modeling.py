@@ -14,14 +14,14 @@ from pathlib import Path
 
 import torch
 from peft import PeftModel
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from peft_ext import PactConfig
 
 from ..dataflow import FrozenLinear
 from ..precision import resolve_dtype
 from ..quantizer import PactQuantizationConfig
-from .model_folder import resolve_model
+from .data.trained_on import TrainedOn
+from .model_folder import adapter_loading, check_adapter_folder, load_causal_lm, load_tokenizer, resolve_model
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,7 @@ class PactModelForCausalLM:
 
     def __init__(self, model, tokenizer, base_path: str):
         self.model, self.tokenizer, self.base_path = model, tokenizer, base_path
+        self.trained_on: dict[str, TrainedOn | None] = {}  # per adapter: the data it learned (pact_data.json)
         frozen = [m for m in model.modules() if isinstance(m, FrozenLinear)]
         if not frozen:
             raise ValueError(f"{base_path}: no linear layer was put on the NVFP4 base; is it a causal LM?")
@@ -50,15 +51,18 @@ class PactModelForCausalLM:
         dtype: str | torch.dtype = "auto",
     ) -> PactModelForCausalLM:
         """Load `base` (a model folder or Hub id; None: the default model) on the NVFP4 base with `backend`, then
-        `adapter`: a folder, or {name: folder} for several (the first is active)."""
+        `adapter`: a folder, or {name: folder} for several (the first is active). A missing or damaged folder is
+        an error naming it (FileNotFoundError, ValueError), raised before the base is loaded where it can be."""
         path = resolve_model(base)
+        adapters = {"default": adapter} if isinstance(adapter, (str, Path)) else dict(adapter or {})
+        for folder in adapters.values():
+            check_adapter_folder(folder)
         dtype = resolve_dtype(dtype, inference=True)  # "auto": bf16 (see resolve_dtype)
         quantization = PactQuantizationConfig(backend=backend, backend_options=backend_options)
-        model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization, dtype=dtype)
+        model = load_causal_lm(path, base, quantization_config=quantization, dtype=dtype)
         model.eval()
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = load_tokenizer(path, base)
         self = cls(model, tokenizer, path)
-        adapters = {"default": adapter} if isinstance(adapter, (str, Path)) else dict(adapter or {})
         for name, folder in adapters.items():
             self.load_adapter(folder, name)
         if adapters:
@@ -67,27 +71,26 @@ class PactModelForCausalLM:
 
     def load_adapter(self, folder: str | Path, name: str) -> None:
         """Add the adapter saved in `folder` under `name` (peft's own machinery: the base is not copied or changed)."""
-        folder = str(folder)
-        if not any(Path(folder, weights).is_file() for weights in ("adapter_model.safetensors", "adapter_model.bin")):
-            raise FileNotFoundError(
-                f"{folder} holds no adapter weights (adapter_model.safetensors); pass the adapter folder of a run"
-            )
+        folder = str(check_adapter_folder(folder))
         config = PactConfig.from_pretrained(folder, allow_missing_sidecar=True)
         self._check_base(folder, config)
+        trained_on = TrainedOn.load(folder)
         if config.precision_plan or config.protected_modules:
             logger.warning(
                 "%s was trained with some linears 16-bit (precision plan / AQLoRA); they run on the NVFP4 base here.",
                 folder,
             )
         config.inference_mode = True
-        if isinstance(self.model, PeftModel):
-            if name in self.model.peft_config:
-                raise ValueError(f"an adapter named {name!r} is loaded already; pick another name")
-            self.model.add_adapter(name, config)
-            self.model.load_adapter(folder, adapter_name=name)
-        else:
-            self.model = PeftModel.from_pretrained(self.model, folder, adapter_name=name, config=config)
+        if isinstance(self.model, PeftModel) and name in self.model.peft_config:
+            raise ValueError(f"an adapter named {name!r} is loaded already; pick another name")
+        with adapter_loading(folder, self.base_path):
+            if isinstance(self.model, PeftModel):
+                self.model.add_adapter(name, config)
+                self.model.load_adapter(folder, adapter_name=name)
+            else:
+                self.model = PeftModel.from_pretrained(self.model, folder, adapter_name=name, config=config)
         self.model.eval()
+        self.trained_on[name] = trained_on
 
     def _check_base(self, folder: str, config: PactConfig) -> None:
         trained_on = config.base_model_name_or_path
@@ -123,10 +126,35 @@ class PactModelForCausalLM:
         with torch.no_grad():
             return self.model.generate(*args, **kwargs)
 
+    @property
+    def active_trained_on(self) -> TrainedOn | None:
+        """What the active adapter was trained on (None: no adapter, or one without pact_data.json)."""
+        return self.trained_on.get(self.model.active_adapter) if self.adapters else None
+
+    def max_answer_tokens(self) -> int | None:
+        """A tagging adapter's longest answer in tokens, its end of sequence included (None: no such bound)."""
+        record = self.active_trained_on
+        if record is None or not record.tags:
+            return None
+        return 1 + max(
+            len(self.tokenizer(" " + label, add_special_tokens=False)["input_ids"]) for label in record.labels
+        )
+
     def prompt_ids(self, messages: list[dict] | str) -> torch.Tensor:
-        """Token ids to generate after: a chat rendered with the model's template, or plain text."""
+        """Token ids to generate after, formatted the way the active adapter was trained: a tagging adapter's prompt
+        around the text (in a chat, around the last message alone), a chat rendered with the model's template
+        (with the training conversations' system message when they shared one), or plain text."""
+        record = self.active_trained_on
+        if record is not None and record.tags:
+            text = messages if isinstance(messages, str) else messages[-1]["content"]
+            return self.tokenizer(record.prompt(text), return_tensors="pt")["input_ids"]
         if isinstance(messages, str):
-            return self.tokenizer(messages, return_tensors="pt")["input_ids"]
+            if record is not None and record.format == "chat":
+                messages = [{"role": "user", "content": messages}]
+            else:
+                return self.tokenizer(messages, return_tensors="pt")["input_ids"]
+        if record is not None and record.system is not None and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": record.system}, *messages]
         if not getattr(self.tokenizer, "chat_template", None):
             text = "\n".join(m["content"] for m in messages)
             return self.tokenizer(text, return_tensors="pt")["input_ids"]

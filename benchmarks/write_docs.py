@@ -1,0 +1,300 @@
+"""Write docs/benchmarks.md from the committed results files, benchmarks/results/**/results.json.
+
+    python benchmarks/write_docs.py           # (re)write docs/benchmarks.md
+    python benchmarks/write_docs.py --check   # exit 1 if docs/benchmarks.md is not what the results give
+
+One section per results file: a small function registered with `@section(folder, title, command)` gets the results
+(a dict) and returns the markdown under the section's heading; the heading, the command, the machine (CPU, AMX or
+not) and the date are written for it from what the results recorded. A results file without a section is an error:
+a new benchmark's results get theirs by adding one such function. The output depends on the committed files alone
+(no clock, no machine probe), so `--check` is exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import personalization_report as report  # noqa: E402  (eval_personalization.py --table prints its markdown_table)
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+OUTPUT = ROOT / "docs" / "benchmarks.md"
+PLOTS = (".png", ".svg")
+
+
+@dataclass(frozen=True)
+class Section:
+    folder: str  # under benchmarks/results, e.g. "personalization"
+    title: str
+    command: str  # the command that wrote the results file
+    render: Callable[[dict], str]  # results -> markdown body
+    note: str = ""  # how the command was run, where one line of flags does not say it all
+    date_if_unrecorded: str | None = None  # for results files written before their script recorded a date
+
+
+SECTIONS: dict[str, Section] = {}
+
+
+def section(folder: str, title: str, command: str, note: str = "", date_if_unrecorded: str | None = None):
+    """Register `render(results) -> markdown` as the section of benchmarks/results/<folder>/results.json."""
+
+    def register(render: Callable[[dict], str]) -> Callable[[dict], str]:
+        SECTIONS[folder] = Section(folder, title, command, render, note, date_if_unrecorded)
+        return render
+
+    return register
+
+
+# ---- what a results file recorded about where and when it ran ----
+
+
+def cpu_words(cpu: str) -> str:
+    """A recorded CPU in one style: "AMD EPYC (no AMX, AVX-512, AVX512-BF16)" stays; the older
+    "AMD EPYC; amx=False; avx512_bf16=True" becomes "AMD EPYC (no AMX, AVX512-BF16)"."""
+    name, *flags = [part.strip() for part in cpu.split(";")]
+    if not flags:
+        return name
+    values = dict(flag.split("=", 1) for flag in flags)
+    words = ["AMX" if values.get("amx") == "True" else "no AMX"]
+    words.append("AVX512-BF16" if values.get("avx512_bf16") == "True" else "no AVX512-BF16")
+    return f"{name} ({', '.join(words)})"
+
+
+def machine_words(machine: str) -> str:
+    """ "x86_64, 2 CPU cores, Linux; AMD EPYC (no AMX, ...)" -> "AMD EPYC (no AMX, ...), 2 CPU cores, x86_64 Linux";
+    a bare CPU (aqlora_accuracy.py records only that) stays as `cpu_words` gives it."""
+    platform, _, cpu = machine.partition("; ")
+    parts = [part.strip() for part in platform.split(",")]
+    if not cpu or len(parts) != 3:
+        return cpu_words(machine)
+    arch, cores, system = parts
+    return f"{cpu_words(cpu)}, {cores}, {arch} {system}"
+
+
+def where_and_when(results: dict, spec: Section) -> list[tuple[str, list[str]]]:
+    """[(machine, its dates)] in the order the machines first ran: a run resumed over sittings records each sitting
+    (`pieces`); others record one machine (or CPU) and date."""
+    pieces = results.get("pieces") or [results]
+    found: dict[str, list[str]] = {}
+    for piece in pieces:
+        machine = piece.get("machine") or piece.get("cpu")
+        date = piece.get("date") or spec.date_if_unrecorded
+        if machine is None or date is None:
+            raise SystemExit(
+                f"benchmarks/results/{spec.folder}/results.json records no "
+                f"{'machine' if machine is None else 'date'}: every figure in docs/ names both (pass "
+                "date_if_unrecorded= to its @section for a file written before its script recorded the date)."
+            )
+        dates = found.setdefault(machine_words(machine), [])
+        if date not in dates:
+            dates.append(date)
+    return [(machine, sorted(dates)) for machine, dates in found.items()]
+
+
+def header(spec: Section, results: dict) -> str:
+    path = f"benchmarks/results/{spec.folder}/results.json"
+    ran = where_and_when(results, spec)
+    recorded = results.get("date") or results.get("pieces")
+    unrecorded = "" if recorded else " (the day it was committed: the results file records no date)"
+    note = f" ({spec.note})" if spec.note else ""
+    lines = [f"## {spec.title}", "", f"- results: [`{path}`](../{path})", f"- written by: `{spec.command}`{note}"]
+    if len(ran) == 1:
+        machine, dates = ran[0]
+        lines += [f"- machine: {machine}", f"- date: {', '.join(dates)}{unrecorded}"]
+    else:
+        lines.append("- machines and dates (a run resumed over sittings):")
+        lines += [f"  - {', '.join(dates)}: {machine}" for machine, dates in ran]
+    return "\n".join(lines)
+
+
+def plots(folder: Path) -> str:
+    """The charts the benchmark wrote beside its results, embedded."""
+    found = sorted(p for p in folder.iterdir() if p.suffix in PLOTS)
+    rel = [p.relative_to(ROOT).as_posix() for p in found]
+    return "\n".join(f"![{p.stem.replace('_', ' ')}](../{r})" for p, r in zip(found, rel))
+
+
+# ---- the sections: one small function per results file, in the order the page shows them ----
+
+
+def personalization_table(results: dict, folder: str) -> str:
+    """eval_personalization.py's own table (`--table`), which names the machines and dates of its sittings too."""
+    path = f"benchmarks/results/{folder}/results.json"
+    printed = f"As `python benchmarks/eval_personalization.py --table {path}` prints it:"
+    return printed + "\n\n" + report.markdown_table(results)
+
+
+@section(
+    "personalization_60steps",
+    "Personalization at the main job's length (60 steps, 12 users x 3 seeds)",
+    "python benchmarks/eval_personalization.py --steps 60 --seeds 0 1 2 --methods fp32 qlora pact --dtype float32 "
+    "--no-memory --qnn-steps 0 --output benchmarks/results/personalization_60steps",
+)
+def personalization_60steps(results: dict) -> str:
+    return personalization_table(results, "personalization_60steps")
+
+
+@section(
+    "personalization",
+    "Personalization: PACT against what a user would pick (30 steps, 12 users x 3-8 seeds)",
+    "python benchmarks/eval_personalization.py --output benchmarks/results/personalization --resume",
+    note="in sittings, with `--dtype float32` where `auto` would have been bf16; seeds 3-7 added with "
+    "`--seeds 0 1 2 3 4 5 6 7 --methods fp32 qlora pact`",
+)
+def personalization_30steps(results: dict) -> str:
+    return personalization_table(results, "personalization")
+
+
+AQLORA_COMMAND = (
+    "python benchmarks/aqlora_accuracy.py {steps}--arms pact aqlora_quality aqlora_random aqlora_sensitivity "
+    "aqlora_sensitivity_random --dtype float32 --seeds 0 1 2 --output benchmarks/results/{folder}"
+)
+
+
+@section(
+    "aqlora_stored_base",
+    "AQLoRA: the stored base before training, by protection ranking",
+    AQLORA_COMMAND.format(steps="--steps 0 ", folder="aqlora_stored_base"),
+    date_if_unrecorded="2026-12-03",  # the day of the commit that added it (6535665)
+)
+def aqlora_stored_base(results: dict) -> str:
+    return aqlora_table(results)
+
+
+@section(
+    "aqlora",
+    "AQLoRA: held-out accuracy after 300 steps, by protection ranking",
+    AQLORA_COMMAND.format(steps="", folder="aqlora") + " --resume",
+    note="a seed at a time",
+    date_if_unrecorded="2026-12-03",  # the day of the commit that completed it (cc2abfb)
+)
+def aqlora_trained(results: dict) -> str:
+    return aqlora_table(results)
+
+
+AQLORA_ARMS = {
+    "base": "fp32 base, no training",
+    "lora_fp32": "peft LoRA fp32",
+    "qlora_nf4": "QLoRA (bnb nf4)",
+    "pact": "all-NVFP4, no protection",
+    "aqlora_quality": "protection ranked by {rank_by} error",
+    "aqlora_speed": "AQLoRA speed (ranked by {rank_by} error)",
+    "aqlora_random": "random list matched to the {rank_by}-error ranking",
+    "aqlora_sensitivity": "protection ranked by gradient sensitivity",
+    "aqlora_sensitivity_random": "random list matched to the sensitivity ranking",
+}
+RANKINGS = {"nvfp4": "NVFP4", "nf4": "nf4"}  # --rank-by: whose 4-bit reconstruction error
+
+
+def _pm(value: dict, scale: float, digits: int) -> str:
+    se = "" if value.get("se") is None else f" +/- {value['se'] * scale:.{digits}f}"
+    return f"{value['mean'] * scale:+.{digits}f}{se}"
+
+
+def aqlora_table(results: dict) -> str:
+    """aqlora_accuracy.py's results (it prints a JSON line, no table): one row per arm, then its paired
+    comparisons as it computed them."""
+    trained = bool(results["steps"])
+    training = f"{results['steps']} steps of {results['batch']}, lr {results['lr']}" if trained else "no training"
+    rank_by = RANKINGS.get(results["rank_by"], results["rank_by"])
+    lines = [
+        f"SmolLM2-135M-Instruct on BIG-bench strategyqa, LoRA r={results['r']}, {training}, "
+        f"{results['test_size']} held-out questions per seed, seeds {results['seeds']}, compute dtype "
+        f"{results['dtype']}, protect_fraction {results['protect_fraction']}, NVFP4 scale rule "
+        f"{results['nvfp4_scale_rule']}. Stored-base LM loss: the held-out loss over every token before any "
+        "training (mean of the seeds); premium: the 16-bit layers' memory above all-NVFP4.",
+        "",
+        "| arm | " + ("held-out accuracy (pooled, +/- SE) | " if trained else "") + "stored-base LM loss | premium |",
+        "|---|" + ("---|" if trained else "") + "---|---|",
+    ]  # fmt: skip
+    for arm, r in results["arms"].items():
+        cells = [f"{AQLORA_ARMS.get(arm, arm).format(rank_by=rank_by)} (`{arm}`)"]
+        if trained:
+            cells.append("-" if r.get("accuracy") is None else f"{r['accuracy']:.1%} +/- {r['se']:.1%}")
+        premium = r.get("premium_mib")
+        cells += [f"{r['lm_loss_before_training']:.3f}", "0 MiB" if premium is None else f"{premium:.1f} MiB"]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Paired differences, arm minus reference (per seed over the same questions, then mean +/- SE over "
+                  "the seeds):", ""]  # fmt: skip
+    for name, c in results["comparisons"].items():
+        arm, ref = name.split("_vs_")
+        loss = c["lm_loss"]
+        text = f"- `{arm}` - `{ref}`: stored-base LM loss {_pm(loss, 1, 3)} (lower in {loss['seeds_better']} of "
+        text += f"{loss['n']} seeds)"
+        if "accuracy" in c:
+            acc = c["accuracy"]
+            text += f"; accuracy {_pm(acc, 100, 1)} points (higher in {acc['seeds_better']} of {acc['n']} seeds)"
+        lines.append(text)
+    per_seed = results.get("per_seed", {})
+    probes = [f"{arms['aqlora_sensitivity']['probe_s']:.0f} s (seed {seed})" for seed, arms in per_seed.items()
+              if "probe_s" in arms.get("aqlora_sensitivity", {})]  # fmt: skip
+    if probes:
+        lines += ["", "Sensitivity probe (one forward+backward per targeted linear on the first training batch): "
+                      + ", ".join(probes) + "."]  # fmt: skip
+    if trained:
+        train_s = [run["train_s"] for arms in per_seed.values() for run in arms.values()]
+        lines += ["", f"Training: {min(train_s):.0f}-{max(train_s):.0f} s per arm and seed."]
+    return "\n".join(lines)
+
+
+# ---- the page ----
+
+INTRO = """# Benchmark results
+
+Generated by `python benchmarks/write_docs.py` from the committed `benchmarks/results/**/results.json`; do not edit
+by hand (`python benchmarks/write_docs.py --check` fails when this page and the results differ). Each section names
+the command that wrote its results, the machine (CPU, AMX or not) and the date. Figures measured without a committed
+results file are on the topic pages (docs/), each with its command, machine and date."""
+
+
+def results_files() -> dict[str, Path]:
+    return {p.parent.relative_to(RESULTS).as_posix(): p for p in sorted(RESULTS.glob("**/results.json"))}
+
+
+def render() -> str:
+    found = results_files()
+    missing = sorted(set(found) - set(SECTIONS))
+    if missing:
+        raise SystemExit(
+            f"no section for {', '.join(f'benchmarks/results/{m}/results.json' for m in missing)}: add a function "
+            "with @section(folder, title, command) to benchmarks/write_docs.py."
+        )
+    parts = [INTRO]
+    for folder, spec in SECTIONS.items():  # in the order the sections are defined below
+        if folder not in found:
+            continue
+        path = found[folder]
+        results = json.loads(path.read_text())
+        body = [header(spec, results), spec.render(results)]
+        if chart := plots(path.parent):
+            body.append(chart)
+        parts.append("\n\n".join(body))
+    return "\n\n".join(parts) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="exit 1 if docs/benchmarks.md is stale; write nothing")
+    args = parser.parse_args(argv)
+    text = render()
+    rel = OUTPUT.relative_to(ROOT) if OUTPUT.is_relative_to(ROOT) else OUTPUT
+    if args.check:
+        if not OUTPUT.is_file() or OUTPUT.read_text() != text:
+            print(f"{rel} is stale: run python benchmarks/write_docs.py", file=sys.stderr)
+            return 1
+        print(f"{rel} is up to date")
+        return 0
+    OUTPUT.parent.mkdir(parents=True, exist_ok=True)
+    OUTPUT.write_text(text)
+    print(f"wrote {rel} ({len(results_files())} sections)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""docs/benchmarks.md is generated from the committed results files (benchmarks/write_docs.py); no model is loaded."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import write_docs  # noqa: E402
+
+
+def test_docs_benchmarks_md_is_what_the_committed_results_give():
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/write_docs.py", "--check"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, f"{proc.stderr.strip()} (then commit docs/benchmarks.md)"
+
+
+def test_every_section_names_its_command_machine_and_date():
+    text = write_docs.render()
+    sections = text.split("\n## ")[1:]
+    assert len(sections) == len(write_docs.results_files())
+    for body in sections:
+        assert "- written by: `python benchmarks/" in body, body[:200]
+        assert "AMX" in body and ("- date: 20" in body or "  - 20" in body), body[:400]
+
+
+def test_a_stale_page_fails_the_check(tmp_path, monkeypatch, capsys):
+    stale = tmp_path / "benchmarks.md"
+    stale.write_text(write_docs.render().replace("PACT", "PACT, edited by hand", 1))
+    monkeypatch.setattr(write_docs, "OUTPUT", stale)
+    assert write_docs.main(["--check"]) == 1
+    assert "is stale: run python benchmarks/write_docs.py" in capsys.readouterr().err
+    assert write_docs.main([]) == 0 and write_docs.main(["--check"]) == 0
+
+
+def test_a_results_file_without_a_section_is_an_error_naming_the_fix(tmp_path, monkeypatch):
+    (tmp_path / "main_job").mkdir()
+    (tmp_path / "main_job" / "results.json").write_text(json.dumps({"machine": "x", "date": "2026-12-06"}))
+    monkeypatch.setattr(write_docs, "RESULTS", tmp_path)
+    with pytest.raises(SystemExit, match=r"no section for benchmarks/results/main_job/results.json: add a function"):
+        write_docs.render()
+
+
+def test_recorded_machines_read_the_same_in_both_styles():
+    assert write_docs.cpu_words("AMD EPYC; amx=False; avx512_bf16=True") == "AMD EPYC (no AMX, AVX512-BF16)"
+    assert write_docs.cpu_words("Xeon (AMX, AVX-512, AVX512-BF16)") == "Xeon (AMX, AVX-512, AVX512-BF16)"
+    machine = "x86_64, 2 CPU cores, Linux; AMD EPYC (no AMX, AVX2)"
+    assert write_docs.machine_words(machine) == "AMD EPYC (no AMX, AVX2), 2 CPU cores, x86_64 Linux"
