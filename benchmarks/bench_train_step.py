@@ -7,7 +7,9 @@ Arms (`--dtype` is the compute dtype of every arm but lora_fp32; bf16 by default
   lora_pinned     peft LoRA with glibc's mmap threshold pinned (optimum_pact.pin_mmap_threshold: the peer given the
                   same allocator setting)
   qlora_nf4       peft + bitsandbytes nf4             lora_fp32     peft LoRA in fp32 (the accuracy reference)
-  pact            PactConfig as PactTrainer runs it (threshold pinned)     pact_fused    pact + fuse_cpu_ops
+  pact            PactConfig, glibc's own malloc policy                    pact_fused    pact + fuse_cpu_ops
+  pact_pinned     pact with glibc's mmap threshold pinned at 4 MiB (pact_mmap_threshold)
+  pact_trimmed    pact, glibc's free heap handed back after each step (malloc_trim)
 Every arm: r=16 on all linears, AdamW on the adapter, forward + backward + optimizer step, one warm-up step (it also
 pays the compile arms' compile time) then `--steps` timed ones. Per arm: median step time and the process's peak RSS
 (VmHWM, mapped pages included). Sizes: `smollm2` (SmolLM2-135M, real weights, batch 4 x 512) and `qwen2.5-0.5b`
@@ -26,10 +28,14 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-from common import cpu_model, model_folder  # lscpu's model and AMX; SmolLM2 or the Qwen2.5 architecture
+from common import cpu_model, model_folder, trim_memory  # lscpu's model and AMX; SmolLM2 / Qwen2.5; malloc_trim
 
-ARMS = ("lora", "lora_dup", "lora_compile", "lora_pinned", "qlora_nf4", "lora_fp32", "pact", "pact_fused")
+ARMS = (
+    "lora", "lora_dup", "lora_compile", "lora_pinned", "qlora_nf4", "lora_fp32", "pact", "pact_fused",
+    "pact_pinned", "pact_trimmed",
+)  # fmt: skip
 SIZES = {"smollm2": 4, "qwen2.5-0.5b": 2}  # model_folder key: default batch
 RATIOS = {  # name: (arm, over arm)
     "pact_vs_lora": ("pact", "lora"),
@@ -37,6 +43,8 @@ RATIOS = {  # name: (arm, over arm)
     "pact_fused_vs_lora_compile": ("pact_fused", "lora_compile"),
     "pact_vs_lora_compile": ("pact", "lora_compile"),
     "pact_vs_lora_pinned": ("pact", "lora_pinned"),
+    "pact_pinned_vs_lora": ("pact_pinned", "lora"),
+    "pact_trimmed_vs_lora": ("pact_trimmed", "lora"),
     "lora_pinned_vs_lora": ("lora_pinned", "lora"),
     "pact_vs_qlora": ("pact", "qlora_nf4"),
     "pact_vs_lora_fp32": ("pact", "lora_fp32"),
@@ -56,8 +64,8 @@ def build(arm: str, model_path: str, r: int, dtype_name: str):
 
     lora = dict(r=r, lora_alpha=2 * r, target_modules="all-linear", task_type="CAUSAL_LM")
     dtype = torch.float32 if arm == "lora_fp32" else getattr(torch, dtype_name)
-    if arm in ("pact", "pact_fused", "lora_pinned"):
-        pin_mmap_threshold()  # what PactTrainer does by default (pact_mmap_threshold)
+    if arm in ("pact_pinned", "lora_pinned"):
+        pin_mmap_threshold()  # PactTrainer's pact_mmap_threshold=4 MiB
     if arm == "qlora_nf4":
         from peft import prepare_model_for_kbit_training
         from transformers import BitsAndBytesConfig
@@ -85,12 +93,15 @@ def run_arm(arm: str, model_path: str, steps: int, batch: int, seq: int, r: int,
     opt = torch.optim.AdamW(params, lr=1e-4)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq))
     times = []
+    trim = arm == "pact_trimmed"  # glibc's free arena memory handed back after each step (malloc_trim)
     for i in range(steps + 1):  # the first step warms up (and compiles)
         start = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if trim:
+            trim_memory()
         if i:
             times.append(time.perf_counter() - start)
     return {"arm": arm, "step_s": statistics.median(times), "steps_s": times, "peak_rss_gib": peak_rss_bytes() / 2**30}
@@ -109,6 +120,9 @@ def main() -> None:
     parser.add_argument("--r", type=int, default=16)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument(
+        "--output", help="a folder: also write the results there (results.json)"
+    )
     args = parser.parse_args()
     args.batch = args.batch or SIZES[args.size]
     args.model = args.model or model_folder(args.size, quick=False)
@@ -147,12 +161,18 @@ def main() -> None:
     noise = ratios.get("noise_dup_vs_lora", {}).get("median")
     rss_ratios = {f"{a}_rss_vs_lora": rss[a] / rss["lora"] for a in arms if a != "lora" and "lora" in arms}
     config = {"size": args.size, "batch": args.batch, "seq": args.seq, "r": args.r, "dtype": args.dtype,
-              "steps": args.steps, "sessions": args.sessions, "cpu": cpu_model()}  # fmt: skip
+              "steps": args.steps, "sessions": args.sessions, "cpu": cpu_model(),
+              "date": time.strftime("%Y-%m-%d"), "arms": arms}  # fmt: skip
     for name, ratio in ratios.items():
         beside = f"; noise {noise:.3f}" if noise else ""
         print(f"{name:>28}: {ratio['median']:.3f} (sessions {ratio['min']:.3f}-{ratio['max']:.3f}){beside}")
-    print(json.dumps({"bench": "train_step", **config, "step_s": step, "peak_rss_gib": rss, "ratios": ratios,
-                      "noise_dup_vs_lora": noise, "rss_ratios": rss_ratios, "per_session": sessions}))  # fmt: skip
+    line = {"bench": "train_step", **config, "step_s": step, "peak_rss_gib": rss, "ratios": ratios,
+            "noise_dup_vs_lora": noise, "rss_ratios": rss_ratios, "per_session": sessions}  # fmt: skip
+    if args.output:
+        out = Path(args.output) / "results.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(line, indent=1) + "\n")
+    print(json.dumps(line))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import bench_main_job  # noqa: E402  (its --table prints markdown_table)
 import personalization_report as report  # noqa: E402  (eval_personalization.py --table prints its markdown_table)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -149,6 +150,39 @@ def personalization_60steps(results: dict) -> str:
 )
 def personalization_30steps(results: dict) -> str:
     return personalization_table(results, "personalization")
+
+
+@section(
+    "main_job",
+    "The main job against the same job in stock peft + Trainer",
+    "python benchmarks/bench_main_job.py --output benchmarks/results/main_job/results.json",
+)
+def main_job(results: dict) -> str:
+    return bench_main_job.markdown_table(results)
+
+
+@section(
+    "train_step",
+    "One training step, PACT against peft LoRA and QLoRA",
+    "python benchmarks/bench_train_step.py --sessions 3 --steps 2 "
+    "--arms lora,lora_dup,lora_pinned,qlora_nf4,pact,pact_pinned,pact_trimmed --output benchmarks/results/train_step",
+)
+def train_step(results: dict) -> str:
+    lines = [
+        f"SmolLM2-135M-Instruct ({results['size']}), batch {results['batch']} x {results['seq']}, r={results['r']} "
+        f"on all linears, {results['dtype']}, {results['steps']} timed steps after a warm-up, "
+        f"{results['sessions']} sessions, each arm a fresh process, arms interleaved; medians over sessions.",
+        "",
+        "| arm | step (s) | peak RSS (GiB) |",
+        "|---|---|---|",
+    ]
+    for arm in results["arms"]:
+        lines.append(f"| `{arm}` | {results['step_s'][arm]:.2f} | {results['peak_rss_gib'][arm]:.2f} |")
+    lines += ["", "| ratio | median | sessions |", "|---|---|---|"]
+    for name, ratio in results["ratios"].items():
+        sessions = ", ".join(f"{r:.3f}" for r in ratio["sessions"])
+        lines.append(f"| {name} | {ratio['median']:.3f} | {sessions} |")
+    return "\n".join(lines)
 
 
 AQLORA_COMMAND = (

@@ -1,0 +1,295 @@
+"""The job a user runs, end to end: `pact finetune` against the same job in a stock Trainer (issue 41, item 4).
+
+Arms, each a fresh process (so its peak RSS is its own), in an order rotated per seed:
+  peft_lora      stock peft LoRA + stock transformers Trainer, the model loaded in --dtype
+  peft_qlora     the same on a bitsandbytes nf4 base (prepare_model_for_kbit_training, --dtype compute)
+  pact_dropin    the same stock Trainer script with LoraConfig -> peft_ext.PactConfig (same fields)
+  pact_finetune  the real console command: `pact finetune --seed S --output TMP --dtype D`
+  peft_lora_dup  peft_lora again: its ratio to peft_lora is the noise floor
+Every arm trains on the main job's rows (`tokenize_examples` on the built-in notes' train items) with the main job's
+defaults (`MAIN_JOB_DEFAULTS`: r, alpha, all linears, lr, batch, epochs, warmup; so the arms stay equal when they
+change) and is scored the same way (`classify` + `accuracy` on the held-out items). Per arm and seed: the wall time
+of `trainer.train()` (what pact's summary.json reports as train_seconds), held-out accuracy and peak RSS (VmHWM at
+the end of the process; for pact_finetune the console command's own process). Ratios to peft_lora are paired by
+seed. Results (runs, summary, machine) go to --output after every run; the last line printed is JSON.
+
+    python benchmarks/bench_main_job.py [--seeds 0 1 2 3 4] [--arms peft_lora,...] [--dtype bfloat16] [--resume]
+    python benchmarks/bench_main_job.py --seeds 0 --max-steps 2 --output /tmp/mj_smoke.json    # smoke test
+    python benchmarks/bench_main_job.py --table benchmarks/results/main_job/results.json       # markdown table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+from common import cpu_model, log, status_bytes  # lscpu's model and AMX; /proc/self/status fields
+
+ARMS = ("peft_lora", "peft_qlora", "pact_dropin", "pact_finetune", "peft_lora_dup")
+REF = "peft_lora"
+NOISE = "peft_lora_dup"
+DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "main_job" / "results.json"
+# The issue's targets for pact_finetune against peft_lora: (summary key, comparison, bound, words)
+TARGETS = (
+    ("time_ratio", "<=", 0.85, "training time <= 0.85x peft_lora"),
+    ("accuracy_diff_pts", ">=", -1.0, "held-out accuracy >= peft_lora - 1 point"),
+    ("rss_ratio", "<=", 1.0, "peak RSS <= peft_lora's"),
+)
+
+
+def job_settings() -> dict:
+    """The main job's LoRA and Trainer defaults every arm uses (output_dir and seed are per run)."""
+    from optimum_pact.commands.arguments import MAIN_JOB_DEFAULTS
+
+    return {k: v for k, v in MAIN_JOB_DEFAULTS.items() if k not in ("output_dir", "seed")}
+
+
+# ---- one arm in this process (--arm) ----
+
+
+def run_trainer_arm(arm: str, seed: int, dtype_name: str, max_steps: int | None) -> dict:
+    """A stock transformers Trainer on the main job's rows; the adapter is peft's LoRA, on nf4 for peft_qlora, or
+    PactConfig for pact_dropin."""
+    import tempfile
+
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq, Trainer, TrainingArguments
+
+    from optimum_pact.commands.arguments import LORA_FIELDS
+    from optimum_pact.commands.data import load_personal_dataset
+    from optimum_pact.commands.evaluation import accuracy, classify
+    from optimum_pact.commands.finetune import tokenize_examples
+    from optimum_pact.commands.model_folder import load_tokenizer, resolve_model
+    from peft_ext import PactConfig
+
+    settings, dtype = job_settings(), getattr(torch, dtype_name)
+    model_path = resolve_model(None)
+    tokenizer = load_tokenizer(model_path, None)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    train_items, heldout_items = load_personal_dataset()
+    if arm == "peft_qlora":
+        from peft import prepare_model_for_kbit_training
+        from transformers import BitsAndBytesConfig
+
+        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, quantization_config=quant)
+        # no gradient checkpointing: no other arm recomputes activations
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    lora = {k: settings[k] for k in LORA_FIELDS if k in settings}
+    torch.manual_seed(seed)  # as the main job seeds before get_peft_model
+    model = get_peft_model(model, (PactConfig if arm == "pact_dropin" else LoraConfig)(**lora))
+    fields = set(TrainingArguments.__dataclass_fields__)
+    trainer_settings = {k: v for k, v in settings.items() if k in fields}
+    with tempfile.TemporaryDirectory() as tmp:
+        run = {**trainer_settings, "report_to": "none", "save_strategy": "no", "use_cpu": True}
+        args = TrainingArguments(output_dir=tmp, seed=seed, max_steps=max_steps or -1, **run)
+        collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+        rows = Dataset.from_list(tokenize_examples(tokenizer, train_items))
+        trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=collator)
+        start = time.perf_counter()
+        result = trainer.train()
+        train_s = time.perf_counter() - start
+    # bitsandbytes repacks a Linear4bit weight in eval() + no_grad (FACTS). SmolLM2's out_features are multiples of
+    # 32, where the repack works: its nf4 scores under no_grad equal those under enable_grad (checked, max diff 0.0),
+    # so every arm is scored the same way, under classify's no_grad
+    labels = sorted({item["label"] for item in train_items + heldout_items})  # as finetune.py's HeldOut
+    texts, golds = [i["text"] for i in heldout_items], [i["label"] for i in heldout_items]
+    acc = accuracy(classify(model, tokenizer, texts, labels), golds)
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return {"arm": arm, "seed": seed, "train_s": train_s, "accuracy": acc, "steps": result.global_step,
+            "final_loss": losses[-1] if losses else result.training_loss,
+            "peak_rss_gib": status_bytes("VmHWM") / 2**30}  # fmt: skip
+
+
+def run_pact_finetune(seed: int, dtype_name: str, max_steps: int | None) -> dict:
+    """The installed `pact finetune` console command; time and accuracy from its summary.json, peak RSS its process's
+    (ru_maxrss of the waited-for child: VmHWM at its exit)."""
+    import resource
+    import tempfile
+
+    pact = Path(sys.executable).with_name("pact")
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [str(pact), "finetune", "--seed", str(seed), "--output", tmp, "--dtype", dtype_name]
+        cmd += ["--max_steps", str(max_steps)] if max_steps else []
+        subprocess.run(cmd, check=True, stdout=sys.stderr)  # its summary text: beside the progress, not our JSON
+        summary = json.loads((Path(tmp) / "summary.json").read_text())
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    return {"arm": "pact_finetune", "seed": seed, "train_s": summary["train_seconds"],
+            "accuracy": summary["accuracy_after"], "steps": summary["steps"], "final_loss": summary["final_loss"],
+            "peak_rss_gib": peak / 2**30, "summary_peak_rss_gib": summary["peak_rss_gib"]}  # fmt: skip
+
+
+# ---- the parent: runs, summary, table ----
+
+
+def mean_se(values: list[float]) -> dict:
+    n = len(values)
+    se = statistics.stdev(values) / math.sqrt(n) if n > 1 else None
+    return {"mean": statistics.fmean(values), "se": se, "n": n}
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Per arm: median train time, accuracy mean +/- SE over seeds (points), median peak RSS; against peft_lora,
+    paired by seed: the median of per-seed time and RSS ratios and mean +/- SE of the accuracy differences."""
+    by = {(r["arm"], r["seed"]): r for r in runs}
+    out = {}
+    for arm in [a for a in ARMS if any(r["arm"] == a for r in runs)]:
+        mine = [r for r in runs if r["arm"] == arm]
+        entry = {"seeds": sorted(r["seed"] for r in mine),
+                 "train_s": statistics.median(r["train_s"] for r in mine),
+                 "accuracy_pct": mean_se([100 * r["accuracy"] for r in mine]),
+                 "peak_rss_gib": statistics.median(r["peak_rss_gib"] for r in mine)}  # fmt: skip
+        pairs = [(by[arm, r["seed"]], by[REF, r["seed"]]) for r in mine if (REF, r["seed"]) in by]
+        if arm != REF and pairs:
+            entry["vs_" + REF] = {
+                "seeds": len(pairs),
+                "time_ratio": statistics.median(a["train_s"] / b["train_s"] for a, b in pairs),
+                "rss_ratio": statistics.median(a["peak_rss_gib"] / b["peak_rss_gib"] for a, b in pairs),
+                "accuracy_diff_pts": mean_se([100 * (a["accuracy"] - b["accuracy"]) for a, b in pairs]),
+            }
+        out[arm] = entry
+    return out
+
+
+def targets(summary: dict) -> dict:
+    """The issue's targets for pact_finetune against peft_lora, each with its value and whether it was met."""
+    vs = summary.get("pact_finetune", {}).get("vs_" + REF)
+    if vs is None:
+        return {}
+    out = {}
+    for key, op, bound, words in TARGETS:
+        value = vs[key]["mean"] if isinstance(vs[key], dict) else vs[key]
+        met = value <= bound if op == "<=" else value >= bound
+        out[key] = {"value": value, "target": f"{op} {bound:g}", "met": met, "words": words}
+    return out
+
+
+def _pm(value: dict, digits: int = 1, sign: str = "") -> str:
+    se = f" ± {value['se']:.{digits}f}" if value["se"] is not None else ""
+    return f"{value['mean']:{sign}.{digits}f}{se}"
+
+
+def markdown_table(results: dict) -> str:
+    """The summary as a markdown table, then the issue's targets and the noise floor."""
+    summary, vs_key = results["summary"], "vs_" + REF
+    lines = [f"| arm | seeds | train s (median) | time / {REF} | held-out accuracy % | accuracy - {REF} (points) "
+             f"| peak RSS GiB | RSS / {REF} |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for arm, entry in summary.items():
+        vs = entry.get(vs_key)
+        ratio = f"{vs['time_ratio']:.3f}" if vs else "1"
+        diff = _pm(vs["accuracy_diff_pts"], sign="+") if vs else "0"
+        rss = f"{vs['rss_ratio']:.3f}" if vs else "1"
+        lines.append(f"| {arm} | {len(entry['seeds'])} | {entry['train_s']:.1f} | {ratio} | "
+                     f"{_pm(entry['accuracy_pct'])} | {diff} | {entry['peak_rss_gib']:.2f} | {rss} |")  # fmt: skip
+    lines.append("")
+    for key, target in results.get("targets", {}).items():
+        shown = f"{target['value']:+.1f} points" if key == "accuracy_diff_pts" else f"{target['value']:.3f}x"
+        lines.append(f"- target, pact_finetune {target['words']}: {shown} ({'met' if target['met'] else 'missed'})")
+    noise = summary.get(NOISE, {}).get(vs_key)
+    if noise:
+        time_rss = f"time {noise['time_ratio']:.3f}x, RSS {noise['rss_ratio']:.3f}x"
+        lines.append(f"- noise floor ({NOISE} / {REF}): {time_rss}")
+    return "\n".join(lines)
+
+
+def versions() -> dict:
+    from importlib.metadata import version
+
+    return {name: version(name) for name in ("torch", "transformers", "peft", "bitsandbytes", "optimum-pact")}
+
+
+def save(results: dict, out: Path) -> None:
+    from optimum_pact.files import write_text_atomic
+
+    results["summary"] = summarize(results["runs"])
+    results["targets"] = targets(results["summary"])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out, json.dumps(results, indent=1) + "\n")
+
+
+def run_child(arm: str, seed: int, args) -> dict:
+    cmd = [sys.executable, __file__, "--arm", arm, "--seed", str(seed), "--dtype", args.dtype]
+    cmd += ["--max-steps", str(args.max_steps)] if args.max_steps else []
+    out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout  # stderr: progress, shown
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)  # internal: run one arm in this process
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)  # internal: with --arm
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of: " + ", ".join(ARMS))
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="every arm's model dtype; float32 on CPUs without native bf16 (AVX2 only)")  # fmt: skip
+    parser.add_argument("--max-steps", type=int, default=None, help="stop training after this many steps (smoke)")
+    parser.add_argument("--output", default=str(DEFAULT_OUTPUT), help="results file (JSON), written after every run")
+    parser.add_argument("--resume", action="store_true", help="keep --output's runs of the same settings, skip them")
+    parser.add_argument("--table", metavar="FILE", help="print the markdown table of a results file and exit")
+    args = parser.parse_args()
+    if args.table:
+        print(markdown_table(json.loads(Path(args.table).read_text())))
+        return
+    if args.arm:
+        if args.arm == "pact_finetune":
+            print(json.dumps(run_pact_finetune(args.seed, args.dtype, args.max_steps)))
+        else:
+            print(json.dumps(run_trainer_arm(args.arm.removesuffix("_dup"), args.seed, args.dtype, args.max_steps)
+                             | {"arm": args.arm}))  # fmt: skip
+        return
+
+    arms = [a for a in args.arms.split(",") if a]
+    if unknown := set(arms) - set(ARMS):
+        parser.error(f"--arms: unknown {sorted(unknown)}; choose from {', '.join(ARMS)}")
+    from resume import check_settings
+
+    from optimum_pact.commands.model_folder import resolve_model
+
+    config = {"dtype": args.dtype, "max_steps": args.max_steps, "model": resolve_model(None), "job": job_settings()}
+    out = Path(args.output)
+    previous = json.loads(out.read_text()) if args.resume and out.is_file() else {}
+    if previous:
+        check_settings(out, previous["config"], config)
+    machine = f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.system()}; {cpu_model()}"
+    piece = {"machine": machine, "date": date.today().isoformat(), "seeds": args.seeds, "arms": arms}
+    results = {"bench": "main_job", "config": config, "machine": machine, "cpu": cpu_model(), "date": piece["date"],
+               "versions": versions(), "pieces": previous.get("pieces", []),
+               "runs": previous.get("runs", [])}  # fmt: skip
+    done = {(r["arm"], r["seed"]) for r in results["runs"]}
+    start = time.perf_counter()
+    for i, seed in enumerate(args.seeds):
+        order = arms[i % len(arms) :] + arms[: i % len(arms)]  # rotated: no arm always runs first or last
+        for arm in order:
+            if (arm, seed) in done:
+                log(f"seed {seed}: {arm:>13} kept from {out}")
+                continue
+            run = run_child(arm, seed, args)
+            if not any(p is piece for p in results["pieces"]):  # a sitting is recorded once it has run something
+                results["pieces"].append(piece)
+            results["runs"].append(run)
+            piece["wall_s"] = time.perf_counter() - start
+            save(results, out)
+            log(f"seed {seed}: {arm:>13} train {run['train_s']:.1f} s ({run['steps']} steps), held-out "
+                f"{run['accuracy']:.1%}, peak RSS {run['peak_rss_gib']:.2f} GiB")  # fmt: skip
+    save(results, out)
+    print(markdown_table(results))
+    line = {k: results[k] for k in ("bench", "date", "cpu", "versions", "config", "summary", "targets")}
+    print(json.dumps({**line, "output": str(out)}))
+
+
+if __name__ == "__main__":
+    main()
