@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import cpu_model, model_folder, trim_memory  # lscpu's model and AMX; SmolLM2 / Qwen2.5; malloc_trim
+from common import cpu_model, model_folder  # lscpu's model and AMX; SmolLM2 or the Qwen2.5 architecture
 
 ARMS = (
     "lora", "lora_dup", "lora_compile", "lora_pinned", "qlora_nf4", "lora_fp32", "pact", "pact_fused",
@@ -93,7 +93,9 @@ def run_arm(arm: str, model_path: str, steps: int, batch: int, seq: int, r: int,
     opt = torch.optim.AdamW(params, lr=1e-4)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq))
     times = []
-    trim = arm == "pact_trimmed"  # glibc's free arena memory handed back after each step (malloc_trim)
+    from optimum_pact import trim_heap
+
+    trim = arm == "pact_trimmed"  # glibc's free heap handed back after each step, as pact_trim_heap does
     for i in range(steps + 1):  # the first step warms up (and compiles)
         start = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
@@ -101,7 +103,7 @@ def run_arm(arm: str, model_path: str, steps: int, batch: int, seq: int, r: int,
         opt.step()
         opt.zero_grad(set_to_none=True)
         if trim:
-            trim_memory()
+            trim_heap()
         if i:
             times.append(time.perf_counter() - start)
     return {"arm": arm, "step_s": statistics.median(times), "steps_s": times, "peak_rss_gib": peak_rss_bytes() / 2**30}
@@ -120,9 +122,7 @@ def main() -> None:
     parser.add_argument("--r", type=int, default=16)
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument(
-        "--output", help="a folder: also write the results there (results.json)"
-    )
+    parser.add_argument("--output", help="a folder: also write the results there (results.json)")
     args = parser.parse_args()
     args.batch = args.batch or SIZES[args.size]
     args.model = args.model or model_folder(args.size, quick=False)

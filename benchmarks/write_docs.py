@@ -165,7 +165,7 @@ def main_job(results: dict) -> str:
     "train_step",
     "One training step, PACT against peft LoRA and QLoRA",
     "python benchmarks/bench_train_step.py --sessions 3 --steps 2 "
-    "--arms lora,lora_dup,lora_pinned,qlora_nf4,pact,pact_pinned,pact_trimmed --output benchmarks/results/train_step",
+    "--arms lora,lora_dup,pact,pact_trimmed --output benchmarks/results/train_step",
 )
 def train_step(results: dict) -> str:
     lines = [

@@ -13,7 +13,7 @@ warnings as it loads), and a run that loads no model (`pact --help`) should neit
 from .backends import get_backend
 from .dataflow import FrozenLinear
 from .fusion import fuse_cpu_ops
-from .memory import MemorySavers, pin_mmap_threshold
+from .memory import MemorySavers, pin_mmap_threshold, trim_heap
 from .nvfp4 import NVFP4Tensor, quantize
 
 __version__ = "0.1.0"
@@ -28,6 +28,7 @@ __all__ = [
     "get_backend",
     "pin_mmap_threshold",
     "quantize",
+    "trim_heap",
 ]
 
 

@@ -1,4 +1,5 @@
-"""pin_mmap_threshold / pact_mmap_threshold: freed large tensors leave the process instead of staying in glibc's heap.
+"""Freed tensors leave the process instead of staying in glibc's heap: trim_heap / pact_trim_heap after each step
+(the default), or pin_mmap_threshold / pact_mmap_threshold (asked for).
 
 Each case runs in a fresh interpreter: the allocator's state is per process and a pin cannot be undone.
 """
@@ -32,13 +33,14 @@ pinned = None
 if sys.argv[1] == "pin":
     from optimum_pact import pin_mmap_threshold
     pinned = pin_mmap_threshold()
-elif sys.argv[1] == "trainer":
+elif sys.argv[1].startswith("trainer"):
     from trainer_callbacks import PactTrainer, PactTrainingArguments
     from transformers import LlamaConfig, LlamaForCausalLM
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1)
+    pin = {"pact_mmap_threshold": 4 << 20} if sys.argv[1] == "trainer-pinned" else {}
     args = PactTrainingArguments(output_dir=sys.argv[2], max_steps=1, report_to=[], save_strategy="no",
-                                 per_device_train_batch_size=1, use_cpu=True)
+                                 per_device_train_batch_size=1, use_cpu=True, **pin)
     ids = torch.randint(0, 64, (8,))
     data = [{"input_ids": ids, "labels": ids}]
     PactTrainer(LlamaForCausalLM(config), args, train_dataset=data).train()
@@ -69,8 +71,54 @@ def test_the_environment_setting_wins(tmp_path):
     assert probe["pinned"] is False and probe["mapped_growth"] == 0  # the user's 32 MiB threshold stands
 
 
-def test_pact_trainer_pins_the_threshold_by_default(tmp_path):
-    assert _probe("trainer", tmp_path)["mapped_growth"] >= 8 << 20
+def test_pact_trainer_pins_the_threshold_only_when_asked(tmp_path):
+    assert _probe("trainer", tmp_path)["mapped_growth"] == 0  # glibc's own policy: page faults only where it faults
+    assert _probe("trainer-pinned", tmp_path)["mapped_growth"] >= 8 << 20
+
+
+# 96 MiB of 1 MiB tensors from the heap (after a 16 MiB free raised the threshold), written, freed, with a live
+# tensor above them so glibc's automatic trim of the heap's top cannot return them: only malloc_trim does.
+TRIM_PROBE = """
+import json, sys
+import torch
+
+def rss():
+    return next(int(l.split()[1]) << 10 for l in open("/proc/self/status") if l.startswith("VmRSS:"))
+
+if sys.argv[1] == "function":
+    from optimum_pact.memory import trim_heap
+    step = trim_heap
+else:
+    from trainer_callbacks import PactTrainer, PactTrainingArguments
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    args = PactTrainingArguments(output_dir=sys.argv[2], max_steps=1, report_to=[], save_strategy="no",
+                                 per_device_train_batch_size=1, use_cpu=True, pact_trim_heap=sys.argv[1] == "on")
+    ids = torch.randint(0, 64, (8,))
+    trainer = PactTrainer(LlamaForCausalLM(config), args, train_dataset=[{"input_ids": ids, "labels": ids}])
+    step = trainer.train
+big = torch.empty(16 << 20, dtype=torch.uint8)
+del big  # glibc raises its mmap threshold to 16 MiB: the 1 MiB tensors below come from its heap
+held = [torch.ones(1 << 20, dtype=torch.uint8) for _ in range(97)]
+top = held.pop()  # kept: the freed 96 MiB lie below it, where glibc's own trim of the heap's top does not reach
+del held
+before = rss()
+step()
+print(json.dumps({"released_mib": (before - rss()) / 2**20}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["function", "on", "off"])
+def test_the_heap_is_trimmed_after_each_step_by_default(mode, tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-c", TRIM_PROBE, mode, str(tmp_path)], capture_output=True, text=True, check=True
+    ).stdout
+    released = json.loads(out.strip().splitlines()[-1])["released_mib"]
+    if mode == "off":
+        assert released < 48, released  # the freed 96 MiB stay resident in glibc's heap
+    else:
+        assert released > 64, released  # the step itself keeps a few MiB
 
 
 @pytest.mark.parametrize("value", [-1, 64 << 20, 1.5, True, "128k"])

@@ -20,7 +20,7 @@ from transformers.trainer_callback import ProgressCallback
 from optimum_pact.dataflow import FrozenLinear
 from optimum_pact.errors import OptionError
 from optimum_pact.fusion import fuse_cpu_ops
-from optimum_pact.memory import MemorySavers, OffloadError, check_subset_k, pin_mmap_threshold
+from optimum_pact.memory import MemorySavers, OffloadError, check_subset_k, pin_mmap_threshold, trim_heap
 from peft_ext.conversion import apply_pact_options
 
 from .resources import ResourceReportCallback
@@ -37,6 +37,13 @@ class _ThreadsCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         torch.set_num_threads(self.num_threads)
+
+
+class _HeapTrimCallback(TrainerCallback):
+    """pact_trim_heap: glibc's free heap back to the operating system after each optimizer step."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        trim_heap()
 
 
 def attention_implementation(model) -> str | None:
@@ -92,6 +99,8 @@ class PactTrainer(Trainer):
                 self.padding_free_collator = self._padding_free_collator()
             if self.args.pact_num_threads is not None:
                 self.add_callback(_ThreadsCallback(self.args.pact_num_threads))
+            if self.args.pact_trim_heap:
+                self.add_callback(_HeapTrimCallback())
             if self.args.pact_report_resources:
                 self.resources = ResourceReportCallback()
                 self.add_callback(self.resources)

@@ -6,7 +6,7 @@ peft, Trainer or application imports. `MemorySavers` switches everything on; the
 """
 
 from .accounting import LiveTensorTracker, fake_module, fake_peak, module_tensors
-from .allocator import DEFAULT_MMAP_THRESHOLD, check_mmap_threshold, pin_mmap_threshold
+from .allocator import DEFAULT_MMAP_THRESHOLD, check_mmap_threshold, pin_mmap_threshold, trim_heap
 from .checkpoint import BlockCheckpointing, find_blocks
 from .logits_mask import causal_lm_loss, labelled_positions
 from .offload import ActivationOffloader, OffloadError
@@ -40,6 +40,7 @@ __all__ = [
     "map_frozen_weights",
     "module_tensors",
     "pin_mmap_threshold",
+    "trim_heap",
     "streaming_available",
     "subset_cross_entropy",
 ]

@@ -11,11 +11,11 @@ the threshold pinned, 0.25 GB arenas and 4.2 / 4.5 GiB peaks. That is the whole 
 
 `pin_mmap_threshold` sets the threshold once (`mallopt(M_MMAP_THRESHOLD)`), which also turns the raising off, so
 large tensors go back to the operating system when freed. It is process-wide and stays set. The price is a fresh
-mapping, page faults and zeroed pages for every tensor above it, so the default is 4 MiB, not glibc's 128 KiB: the
-main job (short batches, many 0.1-4 MiB tensors) took 134.6 s at 128 KiB, 89.0 s at 4 MiB and 73.4 s at 32 MiB
-(peak RSS 1.52 / 1.75 / 1.73 GiB; single runs). Larger steps favour lower values: PACT's SmolLM2 step at batch
-4 x 512 took 21.8 s at 128 KiB (peak RSS 4.59 GiB) and 22.0 s at 4 MiB (5.13 GiB), against peft LoRA unpinned at
-19-20 s and 7.7-7.9 GiB (benchmarks/bench_train_step.py, 3 sessions each, 2-core AVX2 AMD EPYC).
+mapping, page faults and zeroed pages for every tensor above it, every time: on bf16-native CPUs, where the step's
+products are fast, a 4 MiB pin made peft's own SmolLM2 step 1.2-1.4x slower (benchmarks/bench_train_step.py,
+lora_pinned against lora). `trim_heap` (`malloc_trim(0)`) instead hands the arenas' free pages back once, after a
+step: the next step faults in what it touches again, once, and the freed activations no longer pile up. PactTrainer
+trims after every step (`pact_trim_heap`) and pins nothing unless asked (`pact_mmap_threshold`).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def check_mmap_threshold(nbytes: object, option: str = "nbytes") -> None:
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or not 0 <= nbytes <= MAX_MMAP_THRESHOLD:
         raise ValueError(
             f"{option}={nbytes!r} is invalid; pass a byte count from 0 to {MAX_MMAP_THRESHOLD} (glibc's ceiling), "
-            f"e.g. {DEFAULT_MMAP_THRESHOLD} (4 MiB, the default)."
+            f"e.g. {DEFAULT_MMAP_THRESHOLD} (4 MiB)."
         )
 
 
@@ -63,3 +63,11 @@ def pin_mmap_threshold(nbytes: int = DEFAULT_MMAP_THRESHOLD) -> bool:
         raise RuntimeError(f"glibc's mallopt(M_MMAP_THRESHOLD, {nbytes}) failed")
     logger.info("optimum_pact: glibc mmap threshold pinned at %d bytes", nbytes)
     return True
+
+
+def trim_heap() -> bool:
+    """Hand the free memory of glibc's heap arenas back to the operating system (`malloc_trim(0)`): the pages of a
+    training step's freed activations stop counting as resident until the next step touches them again. True where
+    anything was released; False where nothing was, or where the C library is not glibc."""
+    libc = _glibc()
+    return bool(libc is not None and libc.malloc_trim(0))
