@@ -41,6 +41,18 @@ def test_main_job_end_to_end(main_job):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["accuracy_after"] >= summary["accuracy_before"] + 0.2, summary
     assert summary["frozen_linears"] == 30 * 7
+    tags = json.loads((out / "adapter" / "pact_data.json").read_text())["labels"]
+    assert summary["answer_after"] in tags, summary["answer_after"]  # one tag, then the end of sequence
+
+    # `pact generate` on a held-out note prints a tag and stops, as a person runs it
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pact = str(Path(sys.executable).parent / "pact")
+    note = "smoke alarm beeping, change the battery"
+    proc = subprocess.run([pact, "generate", "--adapter", str(out / "adapter"), note], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip() in tags, (proc.stdout, proc.stderr[-2000:])
 
     # the adapter is plain PEFT: stock peft loads it on the unquantized base
     from peft import PeftModel

@@ -40,10 +40,10 @@ def test_a_stale_page_fails_the_check(tmp_path, monkeypatch, capsys):
 
 
 def test_a_results_file_without_a_section_is_an_error_naming_the_fix(tmp_path, monkeypatch):
-    (tmp_path / "main_job").mkdir()
-    (tmp_path / "main_job" / "results.json").write_text(json.dumps({"machine": "x", "date": "2026-12-06"}))
+    (tmp_path / "new_bench").mkdir()
+    (tmp_path / "new_bench" / "results.json").write_text(json.dumps({"machine": "x", "date": "2026-12-06"}))
     monkeypatch.setattr(write_docs, "RESULTS", tmp_path)
-    with pytest.raises(SystemExit, match=r"no section for benchmarks/results/main_job/results.json: add a function"):
+    with pytest.raises(SystemExit, match=r"no section for benchmarks/results/new_bench/results.json: add a function"):
         write_docs.render()
 
 
