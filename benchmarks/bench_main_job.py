@@ -5,6 +5,7 @@ Arms, each a fresh process (so its peak RSS is its own), in an order rotated per
   peft_qlora     the same on a bitsandbytes nf4 base (prepare_model_for_kbit_training, --dtype compute)
   pact_dropin    the same stock Trainer script with LoraConfig -> peft_ext.PactConfig (same fields)
   pact_finetune  the real console command: `pact finetune --seed S --output TMP --dtype D`
+  pact_finetune_padded / pact_finetune_packed  the same with --pact_padding_free false / true
   peft_lora_dup  peft_lora again: its ratio to peft_lora is the noise floor
 Every arm trains on the main job's rows (`tokenize_examples` on the built-in notes' train items) with the main job's
 defaults (`MAIN_JOB_DEFAULTS`: r, alpha, all linears, lr, batch, epochs, warmup; so the arms stay equal when they
@@ -34,7 +35,12 @@ from pathlib import Path
 
 from common import cpu_model, log, status_bytes  # lscpu's model and AMX; /proc/self/status fields
 
-ARMS = ("peft_lora", "peft_qlora", "pact_dropin", "pact_finetune", "peft_lora_dup")
+ARMS = (
+    "peft_lora", "peft_qlora", "pact_dropin", "pact_finetune", "peft_lora_dup", "pact_finetune_padded",
+    "pact_finetune_packed",
+)  # fmt: skip
+PADDING_FREE = {"pact_finetune_padded": "false", "pact_finetune_packed": "true"}
+DEFAULT_ARMS = ARMS[:5]
 REF = "peft_lora"
 NOISE = "peft_lora_dup"
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "main_job" / "results.json"
@@ -115,7 +121,7 @@ def run_trainer_arm(arm: str, seed: int, dtype_name: str, max_steps: int | None)
             "peak_rss_gib": status_bytes("VmHWM") / 2**30}  # fmt: skip
 
 
-def run_pact_finetune(seed: int, dtype_name: str, max_steps: int | None) -> dict:
+def run_pact_finetune(seed: int, dtype_name: str, max_steps: int | None, arm: str = "pact_finetune") -> dict:
     """The installed `pact finetune` console command; time and accuracy from its summary.json, peak RSS its process's
     (ru_maxrss of the waited-for child: VmHWM at its exit)."""
     import resource
@@ -125,10 +131,11 @@ def run_pact_finetune(seed: int, dtype_name: str, max_steps: int | None) -> dict
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [str(pact), "finetune", "--seed", str(seed), "--output", tmp, "--dtype", dtype_name]
         cmd += ["--max_steps", str(max_steps)] if max_steps else []
+        cmd += ["--pact_padding_free", PADDING_FREE[arm]] if arm in PADDING_FREE else []
         subprocess.run(cmd, check=True, stdout=sys.stderr)  # its summary text: beside the progress, not our JSON
         summary = json.loads((Path(tmp) / "summary.json").read_text())
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-    return {"arm": "pact_finetune", "seed": seed, "train_s": summary["train_seconds"],
+    return {"arm": arm, "seed": seed, "train_s": summary["train_seconds"],
             "accuracy": summary["accuracy_after"], "steps": summary["steps"], "final_loss": summary["final_loss"],
             "peak_rss_gib": peak / 2**30, "summary_peak_rss_gib": summary["peak_rss_gib"]}  # fmt: skip
 
@@ -233,7 +240,7 @@ def main() -> None:
     parser.add_argument("--arm", choices=ARMS, help=argparse.SUPPRESS)  # internal: run one arm in this process
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)  # internal: with --arm
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
-    parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated subset of: " + ", ".join(ARMS))
+    parser.add_argument("--arms", default=",".join(DEFAULT_ARMS), help="comma-separated, of: " + ", ".join(ARMS))
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="every arm's model dtype; float32 on CPUs without native bf16 (AVX2 only)")  # fmt: skip
     parser.add_argument("--max-steps", type=int, default=None, help="stop training after this many steps (smoke)")
@@ -245,8 +252,8 @@ def main() -> None:
         print(markdown_table(json.loads(Path(args.table).read_text())))
         return
     if args.arm:
-        if args.arm == "pact_finetune":
-            print(json.dumps(run_pact_finetune(args.seed, args.dtype, args.max_steps)))
+        if args.arm.startswith("pact_finetune"):
+            print(json.dumps(run_pact_finetune(args.seed, args.dtype, args.max_steps, args.arm)))
         else:
             print(json.dumps(run_trainer_arm(args.arm.removesuffix("_dup"), args.seed, args.dtype, args.max_steps)
                              | {"arm": args.arm}))  # fmt: skip

@@ -162,6 +162,34 @@ def main_job(results: dict) -> str:
 
 
 @section(
+    "main_job_packing",
+    "The main job packed (padding-free) against padded",
+    "python benchmarks/bench_main_job.py --seeds 0 1 2 3 4 --arms pact_finetune_padded,pact_finetune "
+    "--output benchmarks/results/main_job_packing/results.json",
+    note="run while the main job packed by default (config.job.pact_padding_free: true): pact_finetune is packed, "
+    "pact_finetune_padded passed --pact_padding_free false; today the same comparison is "
+    "--arms pact_finetune,pact_finetune_packed",
+)
+def main_job_packing(results: dict) -> str:
+    runs = {(r["arm"], r["seed"]): r for r in results["runs"]}
+    seeds = sorted({seed for _, seed in runs})
+    lines = ["| seed | packed: train s, accuracy | padded: train s, accuracy | accuracy, packed - padded (points) |",
+             "|---|---|---|---|"]  # fmt: skip
+    for seed in seeds:
+        packed, padded = runs[("pact_finetune", seed)], runs[("pact_finetune_padded", seed)]
+        diff = 100 * (packed["accuracy"] - padded["accuracy"])
+        lines.append(f"| {seed} | {packed['train_s']:.1f} s, {packed['accuracy']:.1%} | "
+                     f"{padded['train_s']:.1f} s, {padded['accuracy']:.1%} | {diff:+.1f} |")  # fmt: skip
+    summary = results["summary"]
+    packed, padded = summary["pact_finetune"], summary["pact_finetune_padded"]
+    lines += ["", f"Median train time packed {packed['train_s']:.1f} s, padded {padded['train_s']:.1f} s; held-out "
+              f"accuracy {packed['accuracy_pct']['mean']:.1f} +/- {packed['accuracy_pct']['se']:.1f}% against "
+              f"{padded['accuracy_pct']['mean']:.1f} +/- {padded['accuracy_pct']['se']:.1f}%; peak RSS "
+              f"{packed['peak_rss_gib']:.2f} against {padded['peak_rss_gib']:.2f} GiB."]  # fmt: skip
+    return "\n".join(lines)
+
+
+@section(
     "train_step",
     "One training step, PACT against peft LoRA and QLoRA",
     "python benchmarks/bench_train_step.py --sessions 3 --steps 2 "

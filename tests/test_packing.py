@@ -206,16 +206,16 @@ def test_padded_rows_are_refused():
         PaddingFreeCollator()(rows)
 
 
-def test_main_job_packs_by_default():
-    assert parse_finetune_args([]).args.pact_padding_free is True
-    assert parse_finetune_args(["--pact_padding_free", "false"]).args.pact_padding_free is False
+def test_main_job_pads_by_default_and_packs_when_asked():
+    assert parse_finetune_args([]).args.pact_padding_free is False
+    assert parse_finetune_args(["--pact_padding_free", "true"]).args.pact_padding_free is True
     assert PactTrainingArguments(output_dir="unused", report_to="none").pact_padding_free is False  # the library's
 
 
 def test_main_job_pads_with_a_note_where_the_attention_cannot_pack(small_model, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(finetune, "supports_padding_free", lambda model: False)
     argv = ["finetune", "--model", str(small_model), "--output", str(tmp_path / "run"), "--max-steps", "1"]
-    assert main([*argv, "--dtype", "float32"]) == 0
+    assert main([*argv, "--dtype", "float32", "--pact_padding_free", "true"]) == 0
     assert "padding-free batches off: this model's attention (sdpa) does not keep packed examples apart" in (
         capsys.readouterr().err
     )

@@ -38,7 +38,6 @@ MAIN_JOB_DEFAULTS = {
     "learning_rate": 2e-3,
     "num_train_epochs": 2.0,
     "per_device_train_batch_size": 8,
-    "pact_padding_free": True,  # a batch's examples in one row: no pad tokens computed, the padded batch's loss
     "warmup_steps": 5,
     "logging_steps": 5,
     "seed": 0,
