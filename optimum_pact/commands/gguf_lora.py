@@ -236,7 +236,7 @@ def export_gguf_lora(
         if not ran_out_of_space(err, output.parent, size):
             raise
         writer.close()
-        tmp.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)  # before the free space is measured: the message gives what the user has
         raise NoSpaceError(output.parent, output.name, size, free_bytes(output.parent), RUN_AGAIN) from err
     finally:
         writer.close()  # again after a failure: the file is closed before it is removed

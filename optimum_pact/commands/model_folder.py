@@ -199,7 +199,7 @@ def written_aside(
         except Exception as err:
             if not ran_out_of_space(err, output.parent, needs):
                 raise
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # before the free space is measured, as the message reports it
             raise NoSpaceError(output.parent, output.name, needs, free_bytes(output.parent), fix) from err
         umask = os.umask(0)
         os.umask(umask)

@@ -20,6 +20,7 @@ from peft_ext import PactConfig
 from ..dataflow import FrozenLinear
 from ..precision import resolve_dtype
 from ..quantizer import PactQuantizationConfig
+from .data import format_example
 from .data.trained_on import TrainedOn
 from .model_folder import adapter_loading, check_adapter_folder, load_causal_lm, load_tokenizer, resolve_model
 
@@ -136,9 +137,8 @@ class PactModelForCausalLM:
         record = self.active_trained_on
         if record is None or not record.tags:
             return None
-        return 1 + max(
-            len(self.tokenizer(" " + label, add_special_tokens=False)["input_ids"]) for label in record.labels
-        )
+        answers = [format_example("", label)[1] for label in record.labels]  # the targets training learned
+        return 1 + max(len(self.tokenizer(answer, add_special_tokens=False)["input_ids"]) for answer in answers)
 
     def prompt_ids(self, messages: list[dict] | str) -> torch.Tensor:
         """Token ids to generate after, formatted the way the active adapter was trained: a tagging adapter's prompt
