@@ -5,7 +5,7 @@ import functools
 import pytest
 import torch
 
-from optimum_pact.backends import Backend, BackendUnavailableError, get_backend
+from optimum_pact.backends import Backend, BackendUnavailableError, get_backend, triton_dispatch
 from optimum_pact.backends import qnn as qnn_module
 from optimum_pact.backends.torch_backend import TorchBackend
 from optimum_pact.nvfp4 import quantize
@@ -52,6 +52,49 @@ def test_auto_without_onnxruntime_qnn_is_torch_and_says_so(monkeypatch, built_qn
     backend = get_backend("auto")
     assert (backend.name, backend.requested, backend.reason) == ("torch", "auto", "onnxruntime-qnn is not installed")
     assert built_qnn == []
+
+
+@pytest.mark.parametrize("triton", [True, False])
+def test_auto_on_a_cuda_machine_is_torch_and_says_whether_the_triton_kernels_run(monkeypatch, built_qnn, triton):
+    monkeypatch.setattr(qnn_module, "is_qnn_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(triton_dispatch, "triton_available", lambda: triton)
+    backend = get_backend("auto", tile_size=64)
+    assert type(backend) is TorchBackend and backend.tile_size == 64 and built_qnn == []
+    if triton:
+        assert backend.reason == "CUDA: torch backend with the Triton NVFP4 kernels"
+    else:
+        assert backend.reason.startswith("CUDA without triton") and "pip install 'optimum-pact[gpu]'" in backend.reason
+
+
+def test_cpu_tensors_go_to_the_triton_kernels_only_under_the_interpreter_asked_twice(monkeypatch):
+    weight = quantize(torch.randn(16, 32))
+    x = torch.randn(2, 32)
+    monkeypatch.setattr(triton_dispatch, "triton_available", lambda: True)
+    for interpret, pact_interpret, expected in [
+        ("1", "1", True),
+        ("1", "", False),
+        ("", "1", False),
+        ("0", "1", False),
+    ]:
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+        monkeypatch.setenv("PACT_TRITON_INTERPRET", pact_interpret)
+        assert triton_dispatch.runs_on_triton(x, weight) is expected
+    assert not triton_dispatch.runs_on_triton(x.double(), weight)  # a dtype the kernels do not take
+    assert not triton_dispatch.runs_on_triton(x, weight.dequantize(torch.float16))  # a 16-bit weight
+    monkeypatch.setattr(triton_dispatch, "triton_available", lambda: False)
+    assert not triton_dispatch.runs_on_triton(x, weight)
+
+
+def test_a_triton_that_does_not_load_is_an_error_saying_what_to_do(monkeypatch):
+    def broken(name, package=None):
+        raise RuntimeError("0 active drivers")
+
+    monkeypatch.setattr(triton_dispatch.importlib, "import_module", broken)
+    with pytest.raises(
+        BackendUnavailableError, match=r"did not load \(RuntimeError: 0 active drivers\).*PACT_DISABLE_TRITON=1"
+    ):
+        triton_dispatch.kernels.__wrapped__()  # past the cache of the loaded module
 
 
 @needs_qnn

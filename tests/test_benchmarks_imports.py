@@ -1,5 +1,6 @@
 """Housekeeping read from the source alone (ast, nothing imported): no two benchmarks import each other in a circle
-(shared helpers live in benchmarks/common.py), and no Python file grows past 600 lines (STYLE.md).
+(shared helpers live in benchmarks/common.py), and no Python file grows past 600 lines (STYLE.md). Also: the GPU
+benchmark, which no test machine can run, at least starts here and says what it needs.
 
     python tests/test_benchmarks_imports.py    # prints the benchmarks' import graph and its cycles
 """
@@ -7,6 +8,9 @@
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,6 +99,17 @@ def test_no_benchmark_imports_another_in_a_circle():
 def test_no_python_file_over_600_lines():
     found = long_files()
     assert not found, f"files over {MAX_LINES} lines (split them into plain-named modules): {found}"
+
+
+def test_the_gpu_benchmark_starts_without_a_gpu_and_says_in_one_line_that_it_needs_one():
+    script = [sys.executable, str(BENCH / "bench_gpu.py")]
+    shown = subprocess.run([*script, "--help"], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and "--check" in shown.stdout and "--quick" in shown.stdout
+    assert "PYTHONPATH=/tmp/site:. python3 benchmarks/bench_gpu.py --check" in shown.stdout  # the machine's command
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # no GPU, even on a machine with one
+    ran = subprocess.run([*script, "--check", "--quick"], capture_output=True, text=True, timeout=300, env=env)
+    assert ran.returncode == 1 and ran.stdout == ""
+    assert ran.stderr.strip().startswith("bench_gpu.py needs a CUDA GPU") and "\n" not in ran.stderr.strip()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ once (the started NPU, its compiled graphs) lives on that instance, never in the
 Backends that need optional packages (`qnn`: onnxruntime-qnn) import them only when built, so listing them in
 `BACKENDS` costs nothing; building one whose packages are missing raises `BackendUnavailableError`.
 `backend="auto"` picks `qnn` where a real QNN HTP (a Snapdragon NPU) starts and `torch` otherwise, and logs which
-one it chose and why (also kept in the instance's `reason`).
+one it chose and why (also kept in the instance's `reason`). On a CUDA machine the torch backend runs CUDA tensors'
+NVFP4 products in Triton kernels where triton is installed (`triton_dispatch.py`), and the reason says so.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import inspect
 import logging
 import platform
 
+import torch
+
+from . import triton_dispatch
 from .base import Backend, BackendUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -58,7 +62,19 @@ def _build_auto(options: dict) -> tuple[Backend, str]:
         else:
             return backend, "the QNN HTP backend started"
     cls = _backend_class("torch")
-    return cls(**{k: v for k, v in options.items() if k in _options_of(cls)}), reason
+    return cls(**{k: v for k, v in options.items() if k in _options_of(cls)}), _cuda_reason() or reason
+
+
+def _cuda_reason() -> str | None:
+    """Why the torch backend runs on a CUDA machine, with or without the Triton kernels; None without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    if triton_dispatch.triton_available():
+        return "CUDA: torch backend with the Triton NVFP4 kernels"
+    return (
+        "CUDA without triton: torch backend, each NVFP4 weight dequantized per product "
+        "(pip install 'optimum-pact[gpu]' for the Triton kernels)"
+    )
 
 
 def get_backend(name: str, **options) -> Backend:

@@ -1,4 +1,5 @@
-"""The torch backend: the reference path and the fast CPU path; runs unchanged on CUDA."""
+"""The torch backend: the reference path and the fast CPU path; on CUDA, the Triton NVFP4 kernels where triton is
+installed (`triton_dispatch.py`), plain torch ops otherwise."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from ..nvfp4 import NVFP4Tensor, dequantize
 from ..nvfp4.kernels import NativeLinear, native_available
 from ..precision import native_bf16
+from .triton_dispatch import kernels, runs_on_triton
 
 # Rows up to which inference (no autograd) runs the fused product; training keeps the dequantize-then-multiply path,
 # so forward, recomputation and input gradient always see the same effective weights in the same dtype.
@@ -79,6 +81,10 @@ class TorchBackend:
     A 16-bit weight (a layer the precision plan keeps in fp16) is a plain tensor: no dequantization at all.
     Products run in the input's dtype with the BLAS kernel's fp32 accumulation, so no range guard is needed here
     (the NPU's fp16 graphs have one). `counts` tallies the products run (`forward`, `input_grad`).
+
+    On CUDA an NVFP4 weight's products run in the Triton kernels instead (`triton_kernels.py`: each tile dequantized
+    in registers, the same effective weights; `tile_size` does not apply), counted again as `triton_forward` and
+    `triton_input_grad`; see `triton_dispatch.py` for when.
     """
 
     name = "torch"
@@ -140,6 +146,9 @@ class TorchBackend:
     def _forward(self, x: torch.Tensor, handle: NVFP4Tensor | torch.Tensor) -> torch.Tensor:
         if isinstance(handle, torch.Tensor):
             return _matmul(x, handle.to(x.dtype).t())
+        if runs_on_triton(x, handle):
+            self.counts["triton_forward"] += 1
+            return kernels().forward(x, handle)
         n, k = handle.shape
         if self._fused(x, handle):
             return self.native_linear(handle).run(x)
@@ -156,6 +165,9 @@ class TorchBackend:
     def _input_grad(self, dy: torch.Tensor, handle: NVFP4Tensor | torch.Tensor) -> torch.Tensor:
         if isinstance(handle, torch.Tensor):
             return _matmul(dy, handle.to(dy.dtype))
+        if runs_on_triton(dy, handle):
+            self.counts["triton_input_grad"] += 1
+            return kernels().input_grad(dy, handle)
         n, k = handle.shape
         tile = self.tile_size or k
         if tile >= k:
