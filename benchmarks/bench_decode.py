@@ -4,7 +4,10 @@ Arms, interleaved round by round (each round runs every arm once, in a rotated o
 torch backend, `dtype="auto"` as `pact generate` runs it (bf16 for inference), with an r=8 all-linear adapter: the
 user's case), the same PACT model again (the noise arm), transformers bf16 and fp32
 eager on the dequantized-GGUF weights without an adapter, and llama.cpp through llama-cpp-python on the Q4_1 GGUF the
-default model comes from (`pip install optimum-pact[llama]`; otherwise the arm is reported missing).
+default model comes from (`pip install optimum-pact[llama]`; otherwise the arm is reported missing) and on the same
+adapter merged and exported by `pact export --format gguf` (NVFP4, f16 embeddings: `llama_cpp_nvfp4`), both with
+the same threads. `sizes_mb` sets the files side by side: that GGUF, the Q4_1 GGUF and the bf16 folder of
+`pact export --format merged-bf16`.
 
 Decode speed excludes the prompt: (new_tokens - 1) / (time to generate new_tokens - time to generate 1).
 Prints one JSON line with medians over rounds and the ratios measured side by side; `pact/best_transformers` sets
@@ -21,9 +24,11 @@ import argparse
 import importlib.util
 import json
 import platform
+import shutil
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 from common import cpu_model  # lscpu's model, AMX, vector width (one copy)
@@ -31,6 +36,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from optimum_pact.commands.default_model import default_gguf_path, ensure_default_model
+from optimum_pact.commands.export import export_merged
+from optimum_pact.commands.gguf_export import export_gguf
 from optimum_pact.commands.modeling import PactModelForCausalLM
 from optimum_pact.nvfp4.kernels import NativeLinear
 from peft_ext.layer import PactLoraLinear
@@ -48,12 +55,13 @@ def decode_tps(model, ids: torch.Tensor, new: int) -> float:
     return (new - 1) / (timed_generate(model, ids, new) - first)
 
 
-def llama_cpp_arm(prompt: list[int], new: int, threads: int):
+def llama_cpp_arm(prompt: list[int], new: int, threads: int, gguf=None):
+    """Decode speed of llama.cpp on `gguf` (default: the Q4_1 GGUF the default model comes from)."""
     if importlib.util.find_spec("llama_cpp") is None:
         return None
     from llama_cpp import Llama
 
-    gguf = default_gguf_path()
+    gguf = default_gguf_path() if gguf is None else gguf
     llm = Llama(model_path=str(gguf), n_threads=threads, n_ctx=512, verbose=False)
 
     def run() -> float:
@@ -112,14 +120,25 @@ def main() -> None:
     threads = torch.get_num_threads()
     base = ensure_default_model()
     ids = torch.randint(100, 40000, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
-    with tempfile.TemporaryDirectory() as tmp:
-        lora = get_peft_model(
-            AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16),
-            LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False),
-        )
-        lora.save_pretrained(tmp)
-        del lora
-        pact = PactModelForCausalLM.from_pretrained(str(base), adapter=tmp)  # dtype "auto", as pact generate
+    exported = Path(tempfile.mkdtemp(prefix="bench-decode-"))
+    adapter = exported / "adapter"
+    lora = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16),
+        LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False),
+    )
+    lora.save_pretrained(adapter)
+    del lora
+    pact = PactModelForCausalLM.from_pretrained(str(base), adapter=str(adapter))  # dtype "auto", as pact generate
+    sizes = {}
+    if importlib.util.find_spec("llama_cpp") is not None:
+        # the GGUF --engine llama.cpp decodes (merged without scoring), and the bf16 folder for its size
+        nvfp4_gguf = export_gguf(adapter, exported / "me.gguf", score=False)
+        export_merged(adapter, exported / "bf16")
+        sizes = {
+            "gguf_nvfp4": nvfp4_gguf.stat().st_size,
+            "gguf_q4_1": default_gguf_path().stat().st_size,
+            "bf16_folder": sum(f.stat().st_size for f in (exported / "bf16").iterdir()),
+        }
     bf16 = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16).eval()
     fp32 = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
     arms = {
@@ -131,6 +150,7 @@ def main() -> None:
     llama = llama_cpp_arm(ids[0].tolist(), args.new_tokens, threads)
     if llama is not None:
         arms["llama_cpp"] = llama
+        arms["llama_cpp_nvfp4"] = llama_cpp_arm(ids[0].tolist(), args.new_tokens, threads, nvfp4_gguf)
     tps = {name: [] for name in arms}
     for r in range(args.rounds + 1):  # round 0 warms up
         names = list(arms)
@@ -145,6 +165,8 @@ def main() -> None:
     ratio["dup/pact"] = med["pact_dup"] / med["pact"]
     if "llama_cpp" in med:
         ratio["pact/llama_cpp"] = med["pact"] / med["llama_cpp"]
+        ratio["nvfp4_gguf/q4_1_gguf"] = med["llama_cpp_nvfp4"] / med["llama_cpp"]
+        ratio["nvfp4_gguf/pact"] = med["llama_cpp_nvfp4"] / med["pact"]
     print(
         json.dumps(
             {
@@ -160,14 +182,18 @@ def main() -> None:
                 "tokens_per_s_all": {k: [round(v, 2) for v in vs] for k, vs in tps.items()},
                 "ratios": {k: round(v, 3) for k, v in ratio.items()},
                 "pact_ms_per_token": parts,
+                "sizes_mb": {k: round(v / 1e6, 1) for k, v in sizes.items()},
                 "llama_cpp": "measured" if "llama_cpp" in med else "not installed (pip install optimum-pact[llama])",
                 "targets": {
                     "pact_ge_bf16": ratio["pact/bf16"] >= 1.0,
                     "pact_ge_half_llama_cpp": ratio["pact/llama_cpp"] >= 0.5 if "llama_cpp" in med else None,
+                    "nvfp4_gguf_ge_0.9_q4_1": ratio["nvfp4_gguf/q4_1_gguf"] >= 0.9 if "llama_cpp" in med else None,
+                    "nvfp4_gguf_ge_3_pact": ratio["nvfp4_gguf/pact"] >= 3.0 if "llama_cpp" in med else None,
                 },
             }
         )
     )
+    shutil.rmtree(exported, ignore_errors=True)
 
 
 if __name__ == "__main__":

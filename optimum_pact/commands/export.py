@@ -12,6 +12,9 @@ training, loadable by `AutoModelForCausalLM.from_pretrained` anywhere.
 `nvfp4-merged`: base + adapter merged and re-quantized to NVFP4 in the ModelOpt layout, scored before it is kept:
 the held-out accuracy of the base, the adapter and the merged folder as reloaded, with a warning when the merge
 keeps less than 80% of the adapter's gain (`nvfp4_merge.py`; `--requantize_from`, `--keep_16bit`).
+
+`gguf`: that merged NVFP4 model as one llama.cpp GGUF, its linears in llama.cpp's own NVFP4 (`gguf_export.py`;
+`--embeddings`, `--no-merge`).
 """
 
 from __future__ import annotations
@@ -23,17 +26,20 @@ import torch
 from peft import LoraConfig, PeftModel
 
 from ..quantizer import PactQuantizationConfig
+from .gguf_export import EMBEDDINGS, export_gguf
 from .gguf_lora import export_gguf_lora
 from .model_folder import adapter_loading, check_paths, load_causal_lm, load_tokenizer, resolve_model, written_aside
 from .nvfp4_merge import REQUANTIZE_FROM, export_nvfp4_merged
 
-FORMATS = ("merged-bf16", "gguf-lora", "nvfp4-merged")
+FORMATS = ("merged-bf16", "gguf-lora", "nvfp4-merged", "gguf")
 
 
 @dataclass
 class ExportArguments:
     adapter: str = field(metadata={"help": "The adapter folder to export (e.g. pact-output/adapter)."})
-    output: str = field(metadata={"help": "Where the exported model goes (a new folder; gguf-lora: a new file)."})
+    output: str = field(
+        metadata={"help": "Where the exported model goes (a new folder; gguf-lora and gguf: a new file)."}
+    )
     format: str = field(default="merged-bf16", metadata={"help": "What to write.", "choices": list(FORMATS)})
     model: str | None = field(
         default=None, metadata={"help": "The base the adapter was trained on (default: SmolLM2, the main job's)."}
@@ -43,19 +49,33 @@ class ExportArguments:
     )
     data: str | None = field(
         default=None,
-        metadata={"help": "nvfp4-merged: the data whose held-out items score the merge (default: the main job's)."},
+        metadata={
+            "help": "nvfp4-merged, gguf: the data whose held-out items score the merge (default: the main job's)."
+        },
     )
     requantize_from: str = field(
         default="original",
         metadata={
-            "help": "nvfp4-merged: round the full-precision checkpoint + the adapter's change ('original', keeps "
-            "more of it) or the NVFP4 base + the change ('nvfp4', the usual merge).",
+            "help": "nvfp4-merged, gguf: round the full-precision checkpoint + the adapter's change ('original', keeps"
+            " more of it) or the NVFP4 base + the change ('nvfp4', the usual merge).",
             "choices": list(REQUANTIZE_FROM),
         },
     )
     keep_16bit: float = field(
         default=0.0,
-        metadata={"help": "nvfp4-merged: the fraction of linears kept bf16, those whose rounding loses most."},
+        metadata={"help": "nvfp4-merged, gguf: the fraction of linears kept bf16, those whose rounding loses most."},
+    )
+    embeddings: str = field(
+        default="f16",
+        metadata={
+            "help": "gguf: the type of the embeddings, the output head and any 16-bit linear (q8_0: half of f16's "
+            "size; f32: twice).",
+            "choices": list(EMBEDDINGS),
+        },
+    )
+    no_merge: bool = field(
+        default=False,
+        metadata={"help": "gguf: write the NVFP4 base the adapter was trained on, without the adapter."},
     )
 
 
@@ -79,10 +99,18 @@ def export_merged(adapter: str | Path, output: str | Path, base: str | None = No
 def export(args: ExportArguments) -> Path:
     if args.format not in FORMATS:
         raise ValueError(f"--format {args.format!r} is not one of {', '.join(FORMATS)}")
+    if args.format != "gguf" and (args.no_merge or args.embeddings != "f16"):
+        given = "--no-merge" if args.no_merge else f"--embeddings {args.embeddings}"
+        raise ValueError(f"{given} is for --format gguf, not {args.format!r}")
     if args.format == "gguf-lora":
         return export_gguf_lora(args.adapter, args.output, args.model, args.base_gguf)
     if args.base_gguf is not None:
         raise ValueError(f"--base-gguf is for --format gguf-lora, not {args.format!r}")
+    if args.format == "gguf":
+        return export_gguf(
+            args.adapter, args.output, args.model, args.embeddings, not args.no_merge, args.data,
+            args.requantize_from, args.keep_16bit,
+        )  # fmt: skip
     if args.format == "nvfp4-merged":
         report = export_nvfp4_merged(
             args.adapter, args.output, args.model, args.data, args.requantize_from, args.keep_16bit

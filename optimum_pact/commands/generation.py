@@ -3,6 +3,7 @@
     pact generate --adapter pact-output/adapter "Leo lost another tooth"        # a tagging adapter answers a tag
     pact generate --adapter sam=runs/sam --adapter jo=runs/jo --use jo "..."   # several people, one base
     pact chat --adapter my-run/adapter                                         # /reset, /quit
+    pact chat --adapter my-run/adapter --engine llama.cpp                      # llama.cpp decodes (llama_engine.py)
 
 Tokens are printed as they come. Options are `GenerateArguments` (parsed by `HfArgumentParser`); the backend
 options are `PactOptions`' own fields.
@@ -18,6 +19,7 @@ from transformers import HfArgumentParser, TextStreamer
 from peft_ext.options import PactOptions, derived_options
 
 from ..precision import DTYPES
+from .llama_engine import ENGINES, LlamaCppModel, llama_cpp_model
 from .modeling import PactModelForCausalLM
 
 
@@ -43,6 +45,11 @@ class _GenerateOwn:
         metadata={"help": "Compute dtype; auto: bfloat16 (the frozen weights stay NVFP4 either way).",
                   "choices": list(DTYPES)},
     )  # fmt: skip
+    engine: str = field(
+        default="pact",
+        metadata={"help": "What decodes: pact (the NVFP4 base + the adapter, on --backend), or llama.cpp (the adapter "
+                  "merged and exported once to a GGUF beside it; needs the llama extra).", "choices": list(ENGINES)},
+    )  # fmt: skip
 
 
 BackendArguments = derived_options("BackendArguments", PactOptions, ("backend", "backend_options"))
@@ -64,7 +71,16 @@ def _adapters(values: list[str]) -> dict[str, str]:
     return adapters
 
 
-def load(args) -> PactModelForCausalLM:
+def load(args, say=None) -> PactModelForCausalLM | LlamaCppModel:
+    """The model `args` ask for: on llama.cpp with `--engine llama.cpp` where it can run (else one note through
+    `say`, stderr by default, and PACT's), else on PACT's NVFP4 base."""
+    if getattr(args, "engine", "pact") == "llama.cpp":
+        say = say or (lambda line: print(line, file=sys.stderr, flush=True))
+        model = llama_cpp_model(args.model, _adapters(args.adapter), say)
+        if model is not None:
+            if args.use is not None:
+                model.set_adapter(args.use)
+            return model
     options = PactOptions(backend=args.backend, backend_options=args.backend_options)  # checked once, there
     model = PactModelForCausalLM.from_pretrained(
         args.model, _adapters(args.adapter), options.backend, options.backend_options, args.dtype
@@ -74,7 +90,7 @@ def load(args) -> PactModelForCausalLM:
     return model
 
 
-def _generate(model: PactModelForCausalLM, ids, args) -> str:
+def _generate(model: PactModelForCausalLM | LlamaCppModel, ids, args) -> str:
     context = model.context_length()
     if context is not None and ids.shape[1] + args.max_new_tokens > context:
         raise ValueError(
@@ -84,8 +100,9 @@ def _generate(model: PactModelForCausalLM, ids, args) -> str:
     answer = model.max_answer_tokens()  # a tagging adapter answers one label and its end of sequence
     max_new_tokens = args.max_new_tokens if answer is None else min(answer, args.max_new_tokens)
     sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p} if args.temperature else {}
+    sampling.setdefault("do_sample", False)
     streamer = AnswerStreamer(model.tokenizer, skip_prompt=True, skip_special_tokens=True)
-    out = model.generate(input_ids=ids, max_new_tokens=max_new_tokens, streamer=streamer, do_sample=False, **sampling)
+    out = model.generate(input_ids=ids, max_new_tokens=max_new_tokens, streamer=streamer, **sampling)
     return model.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
@@ -117,7 +134,15 @@ def parse(argv: list[str], command: str) -> tuple:
 
 def run_generate(args, prompt: str) -> str:
     model = load(args)
-    return _generate(model, model.prompt_ids(prompt), args)
+    try:
+        return _generate(model, model.prompt_ids(prompt), args)
+    finally:
+        _close(model)
+
+
+def _close(model) -> None:
+    if isinstance(model, LlamaCppModel):
+        model.close()  # before the interpreter's shutdown, where llama-cpp-python's own cleanup fails
 
 
 def run_chat(args, lines=None, out=None) -> list[dict]:
@@ -130,12 +155,20 @@ def run_chat(args, lines=None, out=None) -> list[dict]:
     elif not getattr(model.tokenizer, "chat_template", None):
         print("note: this model has no chat template; turns are sent as plain text.", file=out)
     messages: list[dict] = []
-    for line in lines if lines is not None else _stdin():
+    try:
+        _converse(model, args, messages, lines if lines is not None else _stdin(), out)
+    finally:
+        _close(model)
+    return messages
+
+
+def _converse(model, args, messages: list[dict], lines, out) -> None:
+    for line in lines:
         text = line.strip()
         if text in ("/quit", "/exit"):
             break
         if text == "/reset":
-            messages = []
+            messages.clear()
             print("(conversation reset)", file=out)
             continue
         if not text:
@@ -143,7 +176,6 @@ def run_chat(args, lines=None, out=None) -> list[dict]:
         messages.append({"role": "user", "content": text})
         reply = _generate(model, model.prompt_ids(messages), args)
         messages.append({"role": "assistant", "content": reply.strip()})
-    return messages
 
 
 def _stdin():

@@ -180,6 +180,17 @@ def check_gguf_base(gguf_path: str | Path, adapter: GGUFAdapter) -> None:
         found = reader.fields.get(key)
         return None if found is None else found.contents()
 
+    nvfp4 = getattr(gguf.GGMLQuantizationType, "NVFP4", None)
+    scaled = {t.name.removesuffix("scale") + "weight" for t in reader.tensors if t.name.endswith(".scale")}
+    packed = [
+        t.name for t in reader.tensors if t.tensor_type == nvfp4 and t.name in scaled and t.name in adapter.tensors
+    ]
+    if packed:
+        raise ValueError(
+            f"--base-gguf {str(gguf_path)!r} holds NVFP4 tensors with a per-tensor scale ({packed[0]}, ...), and this "
+            "llama.cpp aborts when a LoRA is applied to one, so it refuses that pair; export the adapter merged into "
+            "one file instead (--format gguf)"
+        )
     architecture = value(gguf.Keys.General.ARCHITECTURE)
     differ = []
     if architecture != adapter.architecture:
@@ -222,8 +233,13 @@ def export_gguf_lora(
         writer.add_tensor(f"{name}.lora_a", a)
         writer.add_tensor(f"{name}.lora_b", b)
     output.parent.mkdir(parents=True, exist_ok=True)
-    # written aside and renamed: a failed export leaves no half-written file at `output`. Not mkstemp: its file
-    # would keep mode 0600 where the user's umask gives their other files 0644.
+    return write_gguf_file(writer, output, sum(a.nbytes + b.nbytes for a, b in lora.tensors.values()))
+
+
+def write_gguf_file(writer: gguf.GGUFWriter, output: Path, size: int) -> Path:
+    """Write what `writer` gathered to `output` (about `size` bytes): aside, then renamed, so a failed export leaves
+    no half-written file at `output`; a full disk is a `NoSpaceError` saying how much is needed. Not mkstemp: its
+    file would keep mode 0600 where the user's umask gives their other files 0644."""
     tmp = output.with_name(f".{output.name}-partial-{os.getpid()}")
     try:
         writer.write_header_to_file(tmp)
@@ -232,7 +248,6 @@ def export_gguf_lora(
         writer.close()
         os.replace(tmp, output)
     except Exception as err:
-        size = sum(a.nbytes + b.nbytes for a, b in lora.tensors.values())
         if not ran_out_of_space(err, output.parent, size):
             raise
         writer.close()
@@ -244,4 +259,4 @@ def export_gguf_lora(
     return output
 
 
-__all__ = ["GGUFAdapter", "check_gguf_base", "export_gguf_lora", "read_adapter"]
+__all__ = ["GGUFAdapter", "check_gguf_base", "export_gguf_lora", "read_adapter", "write_gguf_file"]

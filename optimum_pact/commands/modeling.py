@@ -134,35 +134,43 @@ class PactModelForCausalLM:
 
     def max_answer_tokens(self) -> int | None:
         """A tagging adapter's longest answer in tokens, its end of sequence included (None: no such bound)."""
-        record = self.active_trained_on
-        if record is None or not record.tags:
-            return None
-        answers = [format_example("", label)[1] for label in record.labels]  # the targets training learned
-        return 1 + max(len(self.tokenizer(answer, add_special_tokens=False)["input_ids"]) for answer in answers)
+        return max_answer_tokens(self.tokenizer, self.active_trained_on)
 
     def prompt_ids(self, messages: list[dict] | str) -> torch.Tensor:
-        """Token ids to generate after, formatted the way the active adapter was trained: a tagging adapter's prompt
-        around the text (in a chat, around the last message alone), a chat rendered with the model's template
-        (with the training conversations' system message when they shared one), or plain text."""
-        record = self.active_trained_on
-        if record is not None and record.tags:
-            text = messages if isinstance(messages, str) else messages[-1]["content"]
-            return self.tokenizer(record.prompt(text), return_tensors="pt")["input_ids"]
-        if isinstance(messages, str):
-            if record is not None and record.format == "chat":
-                messages = [{"role": "user", "content": messages}]
-            else:
-                return self.tokenizer(messages, return_tensors="pt")["input_ids"]
-        if record is not None and record.system is not None and messages[0]["role"] != "system":
-            messages = [{"role": "system", "content": record.system}, *messages]
-        if not getattr(self.tokenizer, "chat_template", None):
-            text = "\n".join(m["content"] for m in messages)
-            return self.tokenizer(text, return_tensors="pt")["input_ids"]
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
-        return out["input_ids"] if hasattr(out, "keys") else out
+        """Token ids to generate after, formatted the way the active adapter was trained (`prompt_ids`)."""
+        return prompt_ids(self.tokenizer, self.active_trained_on, messages)
 
     def context_length(self) -> int | None:
         return getattr(self.model.config, "max_position_embeddings", None)
 
 
-__all__ = ["PactModelForCausalLM"]
+def max_answer_tokens(tokenizer, record: TrainedOn | None) -> int | None:
+    """A tagging adapter's longest answer in tokens, its end of sequence included (None: no such bound)."""
+    if record is None or not record.tags:
+        return None
+    answers = [format_example("", label)[1] for label in record.labels]  # the targets training learned
+    return 1 + max(len(tokenizer(answer, add_special_tokens=False)["input_ids"]) for answer in answers)
+
+
+def prompt_ids(tokenizer, record: TrainedOn | None, messages: list[dict] | str) -> torch.Tensor:
+    """Token ids to generate after, formatted the way an adapter that learned `record` was trained: a tagging
+    adapter's prompt around the text (in a chat, around the last message alone), a chat rendered with the model's
+    template (with the training conversations' system message when they shared one), or plain text."""
+    if record is not None and record.tags:
+        text = messages if isinstance(messages, str) else messages[-1]["content"]
+        return tokenizer(record.prompt(text), return_tensors="pt")["input_ids"]
+    if isinstance(messages, str):
+        if record is not None and record.format == "chat":
+            messages = [{"role": "user", "content": messages}]
+        else:
+            return tokenizer(messages, return_tensors="pt")["input_ids"]
+    if record is not None and record.system is not None and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": record.system}, *messages]
+    if not getattr(tokenizer, "chat_template", None):
+        text = "\n".join(m["content"] for m in messages)
+        return tokenizer(text, return_tensors="pt")["input_ids"]
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    return out["input_ids"] if hasattr(out, "keys") else out
+
+
+__all__ = ["PactModelForCausalLM", "max_answer_tokens", "prompt_ids"]

@@ -13,7 +13,8 @@ Two ways are offered, and the export measures what each keeps:
 
 The export then scores the base, the unmerged adapter and the merged folder as reloaded on the held-out items
 (accuracy, or loss for generative data), writes `merge_report.json` beside the weights and warns when the merge
-keeps less than 80% of the adapter's gain.
+keeps less than 80% of the adapter's gain. ModelOpt's `hf_quant_config.json` goes beside config.json
+(`modelopt_config`), for the tools that read ModelOpt checkpoints (vLLM, llama.cpp's converter).
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq
 
 from peft_ext.layer import PactLoraLinear
 
+from .. import __version__
 from ..errors import OptionError
-from ..nvfp4 import NVFP4Tensor, quantize
+from ..nvfp4 import BLOCK_SIZE, NVFP4Tensor, quantize
 from ..precision import resolve_dtype
 from ..quantizer import PactQuantizationConfig
 from .finetune import HeldOut, load_data
@@ -135,6 +137,66 @@ def merged_weights(
     return merged, sum(dots.values()) / norm if norm else 1.0
 
 
+def _merged_model(path: str, weights: dict[str, NVFP4Tensor | torch.Tensor], torch_dtype: torch.dtype):
+    """The base at `path` on PACT's NVFP4 layers, holding `weights` (`merged_weights`'s) in place of its own."""
+    kept = [name for name, weight in weights.items() if not isinstance(weight, NVFP4Tensor)]
+    quantization = PactQuantizationConfig(modules_to_not_convert=kept or None)
+    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization, dtype=torch_dtype)
+    for name, weight in weights.items():
+        module = model.get_submodule(name)
+        if isinstance(weight, NVFP4Tensor):
+            module.load_nvfp4(weight)
+        else:
+            module.weight.data.copy_(weight)
+    return model
+
+
+def modelopt_config(model) -> dict:
+    """ModelOpt's `hf_quant_config.json` for a model on PACT's NVFP4 layers: weight-only NVFP4 (W4A16_NVFP4, blocks
+    of 16) with every linear left 16-bit (the output head, the kept ones) in `exclude_modules`, as vLLM and llama.cpp's
+    converter read it. config.json keeps PACT's own quantization_config, so transformers loads the folder as before."""
+    excluded = [name for name, module in model.named_modules() if type(module) is torch.nn.Linear]
+    return {
+        "producer": {"name": "optimum-pact", "version": __version__},
+        "quantization": {
+            "quant_algo": "W4A16_NVFP4",
+            "kv_cache_quant_algo": None,
+            "group_size": BLOCK_SIZE,
+            "exclude_modules": excluded,
+        },
+    }
+
+
+def save_nvfp4_folder(model, tokenizer, folder: Path) -> None:
+    """Save a model on PACT's NVFP4 layers and its tokenizer in `folder`, with ModelOpt's hf_quant_config.json."""
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / "hf_quant_config.json").write_text(json.dumps(modelopt_config(model), indent=2) + "\n")
+
+
+def save_merged(
+    adapter: str | Path,
+    output: str | Path,
+    base: str | None = None,
+    requantize_from: str = "original",
+    keep_16bit: float = 0.0,
+    dtype: str = "auto",
+) -> Path:
+    """`export_nvfp4_merged`'s folder without its scoring (no report): for a merge made again and again, such as
+    the GGUF `pact generate --engine llama.cpp` keeps beside an adapter. Returns `output`."""
+    adapter, output = check_paths(adapter, output)
+    check_merge_options(requantize_from, keep_16bit)
+    torch_dtype = resolve_dtype(dtype)
+    pact = PactModelForCausalLM.from_pretrained(base, adapter=str(adapter), dtype=torch_dtype)
+    weights, _ = merged_weights(pact, requantize_from, keep_16bit)
+    path, tokenizer = pact.base_path, pact.tokenizer
+    del pact
+    model = _merged_model(path, weights, torch_dtype)
+    with written_aside(output) as tmp:
+        save_nvfp4_folder(model, tokenizer, tmp)
+    return output
+
+
 def _score(held_out: HeldOut, model) -> float:
     return held_out.measure(model, with_answer=False)[held_out.metric]
 
@@ -170,17 +232,9 @@ def export_nvfp4_merged(
     path = pact.base_path
     del pact
 
-    quantization = PactQuantizationConfig(modules_to_not_convert=kept or None)
-    model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization, dtype=torch_dtype)
-    for name, weight in weights.items():
-        module = model.get_submodule(name)
-        if isinstance(weight, NVFP4Tensor):
-            module.load_nvfp4(weight)
-        else:
-            module.weight.data.copy_(weight)
+    model = _merged_model(path, weights, torch_dtype)
     with written_aside(output) as tmp:  # written, reloaded and scored aside, then renamed
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        save_nvfp4_folder(model, tokenizer, tmp)
         del model
         merged_score = _score(held_out, AutoModelForCausalLM.from_pretrained(tmp, dtype=torch_dtype))
         sign = 1.0 if held_out.metric == "accuracy" else -1.0
@@ -207,4 +261,12 @@ def export_nvfp4_merged(
     return report
 
 
-__all__ = ["MergeReport", "REQUANTIZE_FROM", "export_nvfp4_merged", "merged_weights"]
+__all__ = [
+    "MergeReport",
+    "REQUANTIZE_FROM",
+    "export_nvfp4_merged",
+    "merged_weights",
+    "modelopt_config",
+    "save_merged",
+    "save_nvfp4_folder",
+]

@@ -1,0 +1,306 @@
+"""`pact export --format gguf`: the personal model as one llama.cpp file. Its NVFP4 bytes are PACT's (read back with
+gguf's own reader and dequantizer), llama.cpp loads it and computes what PACT does, the engine caches it beside the
+adapter, and (slow) on the main job's adapter llama.cpp scores and generates as PACT's merged model does."""
+
+import json
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf.quants import dequantize
+from safetensors.torch import load_file
+from test_gguf_lora import _llama_cpp_accuracy
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+from optimum_pact.commands.cli import main
+from optimum_pact.commands.data import load_personal_dataset
+from optimum_pact.commands.generation import parse, run_chat
+from optimum_pact.commands.gguf_export import write_gguf
+from optimum_pact.commands.llama_engine import GGUF_NAME
+from optimum_pact.commands.nvfp4_merge import export_nvfp4_merged, save_nvfp4_folder
+from optimum_pact.dataflow import FrozenLinear
+from optimum_pact.nvfp4 import dequantize_reference
+from optimum_pact.nvfp4.gguf import from_ggml_nvfp4, llama_rows, to_ggml_nvfp4
+from optimum_pact.quantizer import PactQuantizationConfig
+
+NVFP4 = gguf.GGMLQuantizationType.NVFP4
+LINEARS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+           "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+           "mlp.down_proj": "ffn_down"}  # fmt: skip
+
+
+def _adapter(base_folder, out, seed=1):
+    """A LoRA adapter with random, strong B (it changes greedy tokens), saved as plain PEFT files."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(20)
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def nvfp4_folder(request, small_model, tmp_path_factory):
+    """The small model (SmolLM2's tokenizer, 2 random blocks) on PACT's NVFP4 layers, saved; qwen2: the same as a
+    Qwen2 (random q/k/v biases; transformers gives it Qwen2's pre-tokenizer), written as llama.cpp's llama."""
+    root = tmp_path_factory.mktemp(f"gguf_{request.param}")
+    source = small_model
+    if request.param == "qwen2":
+        source = root / "qwen2"
+        torch.manual_seed(0)
+        config = Qwen2Config(
+            vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, tie_word_embeddings=True,
+        )  # fmt: skip
+        model = Qwen2ForCausalLM(config)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("bias"):
+                    p.normal_(std=0.5)  # not zeros, so that reordering q/k biases or not shows
+        model.save_pretrained(source)
+        AutoTokenizer.from_pretrained(small_model).save_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(source, quantization_config=PactQuantizationConfig())
+    save_nvfp4_folder(model, AutoTokenizer.from_pretrained(source), root / "nvfp4")
+    return request.param, root / "nvfp4"
+
+
+def test_the_packing_is_llama_cpps_nvfp4_bit_for_bit():
+    from optimum_pact.nvfp4 import quantize
+
+    q = quantize(torch.randn(48, 256) * 3)
+    blocks = to_ggml_nvfp4(q.qdata, q.scale)
+    assert blocks.shape == (48, 256 // 64 * 36) and blocks.dtype == np.uint8
+    # gguf's reference dequantizer (ue4m3 scale x E2M1 value), times the per-tensor scale as llama.cpp applies it
+    theirs = torch.from_numpy(dequantize(blocks, NVFP4)) * q.scale_2
+    assert torch.equal(theirs, dequantize_reference(q.qdata, q.scale, q.scale_2))
+    qdata, scale = from_ggml_nvfp4(blocks, 256)
+    assert torch.equal(qdata, q.qdata) and torch.equal(scale.view(torch.uint8), q.scale.view(torch.uint8))
+    with pytest.raises(ValueError, match=r"blocks of 64 weights; a weight of shape \(4, 48\) does not fit"):
+        to_ggml_nvfp4(q.qdata[:4, :24], q.scale[:4, :3])
+
+
+def test_the_gguf_holds_pacts_codes_and_scales_under_llama_cpp_names(nvfp4_folder, tmp_path):
+    arch, folder = nvfp4_folder
+    out = write_gguf(folder, tmp_path / "model.gguf")
+    reader = gguf.GGUFReader(out)
+    fields = {name: field.contents() for name, field in reader.fields.items()}
+    # llama.cpp's qwen2 ignores NVFP4's per-tensor scales; its llama applies them, and a Qwen2 is a Llama with biases
+    assert fields["general.architecture"] == "llama"
+    assert fields["general.file_type"] == gguf.LlamaFileType.MOSTLY_NVFP4
+    assert fields["llama.block_count"] == 2 and fields["llama.embedding_length"] == 64
+    assert fields["llama.attention.head_count"] == 4 and fields["llama.attention.head_count_kv"] == 2
+    assert fields["tokenizer.ggml.model"] == "gpt2"
+    assert fields["tokenizer.ggml.pre"] == {"llama": "gpt-2", "qwen2": "qwen2"}[arch]
+    assert len(fields["tokenizer.ggml.tokens"]) == 49152 and len(fields["tokenizer.ggml.merges"]) == 48900
+    assert fields["tokenizer.ggml.eos_token_id"] == 2 and fields["tokenizer.ggml.add_bos_token"] is False
+    assert fields["tokenizer.chat_template"].startswith("{% for message in messages %}")
+
+    saved = load_file(folder / "model.safetensors")
+    tensors = {t.name: t for t in reader.tensors}
+    heads = {"self_attn.q_proj": 4, "self_attn.k_proj": 2}
+    for block in range(2):
+        for module, name in LINEARS.items():
+            key = f"model.layers.{block}.{module}"
+            qdata, scale = saved[f"{key}.weight"], saved[f"{key}.weight_scale"].view(torch.uint8)
+            if module in heads:  # llama.cpp's llama rotates pairs: q/k rows reordered
+                qdata, scale = llama_rows(qdata, heads[module]), llama_rows(scale, heads[module])
+            weight = tensors[f"blk.{block}.{name}.weight"]
+            assert weight.tensor_type == NVFP4 and list(weight.shape) == [qdata.shape[1] * 2, qdata.shape[0]]
+            codes, scales = from_ggml_nvfp4(np.asarray(weight.data), qdata.shape[1] * 2)
+            assert torch.equal(codes, qdata) and torch.equal(scales.view(torch.uint8), scale)  # PACT's bytes
+            scale_2 = tensors[f"blk.{block}.{name}.scale"]
+            assert scale_2.tensor_type == gguf.GGMLQuantizationType.F32
+            assert np.asarray(scale_2.data).tolist() == [saved[f"{key}.weight_scale_2"].item()]
+        assert tensors[f"blk.{block}.attn_norm.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+        if arch == "qwen2":
+            bias = saved[f"model.layers.{block}.self_attn.q_proj.bias"]
+            assert np.array_equal(tensors[f"blk.{block}.attn_q.bias"].data, llama_rows(bias, 4).numpy())
+        else:
+            assert f"blk.{block}.attn_q.bias" not in tensors
+    embedding = tensors["token_embd.weight"]
+    assert embedding.tensor_type == gguf.GGMLQuantizationType.F16 and "output.weight" not in tensors  # tied
+    assert np.array_equal(embedding.data, saved["model.embed_tokens.weight"].half().numpy())
+
+
+def test_embeddings_f16_q8_0_f32_and_what_they_cost(nvfp4_folder, tmp_path):
+    _, folder = nvfp4_folder
+    sizes = {}
+    for kind, ggml in (("f32", "F32"), ("f16", "F16"), ("q8_0", "Q8_0")):
+        out = write_gguf(folder, tmp_path / f"{kind}.gguf", embeddings=kind)
+        tensors = {t.name: t for t in gguf.GGUFReader(out).tensors}
+        assert tensors["token_embd.weight"].tensor_type.name == ggml
+        sizes[kind] = out.stat().st_size
+    embedding = 49152 * 64  # weights of the embedding, the bulk of this small model
+    assert sizes["f32"] - sizes["f16"] == pytest.approx(2 * embedding, rel=0.01)
+    assert sizes["f16"] - sizes["q8_0"] == pytest.approx(2 * embedding - embedding * 34 / 32, rel=0.01)
+    with pytest.raises(ValueError, match="--embeddings 'bf16' is not one of f16, q8_0, f32"):
+        write_gguf(folder, tmp_path / "x.gguf", embeddings="bf16")
+
+
+def test_transformers_still_loads_the_folder_through_pacts_quantizer(nvfp4_folder):
+    _, folder = nvfp4_folder
+    modelopt = json.loads((folder / "hf_quant_config.json").read_text())
+    assert modelopt["quantization"] == {"quant_algo": "W4A16_NVFP4", "kv_cache_quant_algo": None, "group_size": 16,
+                                        "exclude_modules": ["lm_head"]}  # fmt: skip
+    assert modelopt["producer"]["name"] == "optimum-pact"
+    assert json.loads((folder / "config.json").read_text())["quantization_config"]["quant_method"] == "pact"
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    assert sum(isinstance(m, FrozenLinear) for m in model.modules()) == 14
+
+
+def _llama(path, **kwargs):
+    llama_cpp = pytest.importorskip("llama_cpp", reason="needs llama-cpp-python (optimum-pact[llama])")
+    return llama_cpp.Llama(model_path=str(path), **{"n_ctx": 256, "n_threads": 2, "verbose": False, **kwargs})
+
+
+def test_llama_cpp_computes_what_pact_does_from_the_file(nvfp4_folder, tmp_path):
+    arch, folder = nvfp4_folder
+    out = write_gguf(folder, tmp_path / "model.gguf", embeddings="f32")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    text = "Mum: Lunch on Sunday?\nMe: yes, bringing the lemon cake 1234"
+    ids = tokenizer(text)["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    with torch.no_grad():
+        pact = model(torch.tensor([ids])).logits[0].double()
+    llm = _llama(out, logits_all=True)
+    try:
+        assert llm.tokenize(text.encode(), add_bos=True, special=True) == ids  # its tokenizer is the HF one
+        llm.eval(ids)
+        theirs = torch.from_numpy(llm.scores[: len(ids)]).double()
+    finally:
+        llm.close()
+    # llama.cpp multiplies with 8-bit activations: close, not equal. Wrong q/k rows, nibbles or scales are far off.
+    # (A random model's top logits nearly tie: an argmax may differ where they do.)
+    gap = (theirs - pact).abs().max().item() / pact.abs().max().item()
+    print(f"{arch}: largest gap {gap:.4f} of the largest logit")
+    assert gap < 0.02, gap
+    assert (theirs.argmax(-1) == pact.argmax(-1)).double().mean() >= 0.9
+
+
+def test_pact_export_gguf_merged_and_no_merge_and_llama_cpps_lora_refusal(small_model, tmp_path, capsys):
+    adapter = _adapter(small_model, tmp_path / "adapter")
+    base = ["export", "--format", "gguf", "--adapter", str(adapter), "--model", str(small_model)]
+    assert main([*base, "--output", str(tmp_path / "me.gguf")]) == 0
+    out = capsys.readouterr().out
+    assert "held-out accuracy: base" in out and f"exported {adapter} as gguf" in out  # the merge's report
+    assert main([*base, "--no-merge", "--embeddings", "q8_0", "--output", str(tmp_path / "base.gguf")]) == 0
+    assert (
+        "is the NVFP4 base without the adapter; this llama.cpp aborts when a LoRA is applied"
+        in capsys.readouterr().out
+    )
+    merged = {t.name: t for t in gguf.GGUFReader(tmp_path / "me.gguf").tensors}
+    unmerged = {t.name: t for t in gguf.GGUFReader(tmp_path / "base.gguf").tensors}
+    assert merged["blk.0.ffn_up.weight"].tensor_type == unmerged["blk.0.ffn_up.weight"].tensor_type == NVFP4
+    assert not np.array_equal(merged["blk.0.ffn_up.weight"].data, unmerged["blk.0.ffn_up.weight"].data)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "base.gguf", "me.gguf"]  # no leftovers
+
+    lora = ["export", "--format", "gguf-lora", "--adapter", str(adapter), "--model", str(small_model)]
+    assert main([*lora, "--output", str(tmp_path / "lora.gguf"), "--base-gguf", str(tmp_path / "base.gguf")]) == 2
+    err = capsys.readouterr().err
+    assert "holds NVFP4 tensors with a per-tensor scale" in err and "refuses that pair" in err
+    assert not (tmp_path / "lora.gguf").exists()
+    assert main([*base[:2], "merged-bf16", *base[3:], "--no-merge", "--output", str(tmp_path / "m")]) == 2
+    assert "--no-merge is for --format gguf, not 'merged-bf16'" in capsys.readouterr().err
+
+
+def test_the_llama_cpp_engine_exports_once_and_again_when_the_adapter_changes(small_model, tmp_path, capsys):
+    pytest.importorskip("llama_cpp", reason="needs llama-cpp-python (optimum-pact[llama])")
+    adapter = _adapter(small_model, tmp_path / "adapter")
+    argv = ["generate", "--model", str(small_model), "--adapter", str(adapter), "--max_new_tokens", "8"]
+    assert main([*argv, "--engine", "llama.cpp", "hello there"]) == 0
+    first = capsys.readouterr()
+    cached = adapter / GGUF_NAME
+    assert cached.is_file() and "exporting" in first.err and first.out.strip()
+    stamp = cached.stat().st_mtime_ns
+    assert main([*argv, "--engine", "llama.cpp", "hello there"]) == 0
+    again = capsys.readouterr()
+    assert again.out == first.out and "exporting" not in again.err and cached.stat().st_mtime_ns == stamp
+
+    _adapter(small_model, tmp_path / "other", seed=2)  # retrained: other weights in the same folder
+    os.replace(tmp_path / "other" / "adapter_model.safetensors", adapter / "adapter_model.safetensors")
+    assert main([*argv, "--engine", "llama.cpp", "hello there"]) == 0
+    assert "exporting" in capsys.readouterr().err and cached.stat().st_mtime_ns != stamp
+
+    args, _ = parse(["--model", str(small_model), "--adapter", str(adapter), "--engine", "llama.cpp",
+                     "--max_new_tokens", "4"], "chat")  # fmt: skip
+    messages = run_chat(args, lines=["hi", "again"])
+    assert [m["role"] for m in messages] == ["user", "assistant"] * 2
+
+
+def test_the_llama_cpp_engine_falls_back_to_pact_and_says_so(small_model, capsys):
+    argv = ["generate", "--model", str(small_model), "--max_new_tokens", "3", "--engine", "llama.cpp", "hello"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert err.count("note: --engine llama.cpp decodes an adapter's exported GGUF, and no --adapter was given") == 1
+    assert "decoding with --engine pact instead" in err
+    assert main([*argv[:-1], "--temperature", "0.8", "hello"]) == 0  # sampling, on PACT as on llama.cpp
+
+
+def test_the_llama_cpp_engine_samples_at_a_temperature(small_model, tmp_path, capsys):
+    pytest.importorskip("llama_cpp", reason="needs llama-cpp-python (optimum-pact[llama])")
+    adapter = _adapter(small_model, tmp_path / "adapter")
+    argv = ["generate", "--model", str(small_model), "--adapter", str(adapter), "--engine", "llama.cpp"]
+    assert main([*argv, "--max_new_tokens", "6", "--temperature", "0.8", "--top_p", "0.9", "hello"]) == 0
+    assert capsys.readouterr().out.strip()
+
+
+# -- the main job's adapter, in llama.cpp -------------------------------------------------------------------------
+
+
+def _greedy(model, ids: list[int], n: int) -> list[int]:
+    """`n` greedy tokens after `ids`, the end-of-sequence token included like any other."""
+    out = torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(n):
+            out = torch.cat((out, model(input_ids=out).logits[:, -1:].argmax(-1)), dim=1)
+    return out[0, len(ids) :].tolist()
+
+
+PROMPTS = ["What should I pack for a weekend hiking trip?", "Write a short note to my landlord about the heating.",
+           "Give me three ideas for a quick dinner.", "How do I politely decline a meeting?"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_llama_cpp_scores_and_generates_as_pacts_merged_model(main_job, tmp_path):
+    pytest.importorskip("llama_cpp", reason="needs llama-cpp-python (optimum-pact[llama])")
+    out, proc = main_job
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = export_nvfp4_merged(out / "adapter", tmp_path / "merged")  # what --format gguf merges, scored
+    model_file = write_gguf(tmp_path / "merged", tmp_path / "me.gguf")
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "merged")
+    train, heldout = load_personal_dataset()
+    labels = sorted({item["label"] for item in train + heldout})
+    llm = _llama(model_file, logits_all=True, n_ctx=512)
+    try:
+        accuracy = _llama_cpp_accuracy(llm, tokenizer, heldout, labels)
+    finally:
+        llm.close()
+
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")  # PACT's merged model, as transformers runs it
+    llm = _llama(model_file, n_ctx=512)
+    agreeing = []
+    try:
+        for prompt in PROMPTS:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+            pact = _greedy(merged, ids, 32)  # past the end of sequence, as llama.cpp's generate goes on
+            theirs = []
+            for token in llm.generate(ids, temp=0.0, top_k=1):
+                theirs.append(token)
+                if len(theirs) == 32:
+                    break
+            agreeing.append(next((i for i, (a, b) in enumerate(zip(pact, theirs)) if a != b), 32))
+    finally:
+        llm.close()
+    size = model_file.stat().st_size
+    print(f"llama.cpp {accuracy:.3f} vs PACT's merged {report.merged:.3f} on {len(heldout)} held-out notes; "
+          f"greedy tokens agreeing (of 32): {agreeing}; GGUF {size / 1e6:.1f} MB")  # fmt: skip
+    assert abs(accuracy - report.merged) <= 1 / len(heldout) + 1e-9, (accuracy, report)
+    assert all(n >= 16 for n in agreeing), agreeing
