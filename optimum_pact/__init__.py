@@ -13,13 +13,14 @@ warnings as it loads), and a run that loads no model (`pact --help`) should neit
 from .backends import get_backend
 from .dataflow import FrozenLinear
 from .fusion import fuse_cpu_ops
-from .memory import MemorySavers, pin_mmap_threshold, trim_heap
+from .memory import HeapTrimmer, MemorySavers, pin_mmap_threshold, trim_heap
 from .nvfp4 import NVFP4Tensor, quantize
 
 __version__ = "0.1.0"
 
 __all__ = [
     "FrozenLinear",
+    "HeapTrimmer",
     "MemorySavers",
     "NVFP4Tensor",
     "PactQuantizationConfig",

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from optimum_pact.errors import OptionError
 from optimum_pact.memory.allocator import _glibc
@@ -126,3 +127,16 @@ def test_a_bad_threshold_is_named_with_its_fix(value, tmp_path):
     with pytest.raises(OptionError, match=r"pact_mmap_threshold=.*from 0 to 33554432.*None leaves") as err:
         PactTrainingArguments(output_dir=str(tmp_path), pact_mmap_threshold=value, report_to=[])
     assert err.value.option == "pact_mmap_threshold"
+
+
+def test_the_trimmer_trims_after_the_first_step_then_only_when_the_heap_grows():
+    from optimum_pact.memory import HeapTrimmer, resident_bytes
+
+    trimmer = HeapTrimmer(slack=32 << 20)
+    trimmer()  # the first step: trims, and keeps what the step left resident
+    assert trimmer.trims == 1 and trimmer.baseline == pytest.approx(resident_bytes(), abs=8 << 20)
+    assert trimmer() is False and trimmer.trims == 1  # nothing grew: no trim, no page faults next step
+    grown = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB more resident than the first step left
+    trimmer()
+    assert trimmer.trims == 2
+    del grown

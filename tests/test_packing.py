@@ -143,7 +143,7 @@ def _train(tmp_path, padding_free: bool, saver: str) -> tuple[PactTrainer, list[
 
 
 # the memory savers on packed rows: logits masking, block checkpointing, MLP chunks; full: + the subset softmax
-@pytest.mark.parametrize("saver", ["none", "exact", "full"])
+@pytest.mark.parametrize("saver", ["none", "logits", "exact", "full"])
 def test_trainer_steps_on_packed_batches_are_the_padded_steps(tmp_path, saver, caplog):
     reference, reference_losses = _train(tmp_path, padding_free=False, saver=saver)
     with caplog.at_level(logging.INFO, logger="trainer_callbacks.trainer"):

@@ -56,6 +56,26 @@ def test_exact_savers_train_like_plain_training_and_leave_nothing(tmp_path):
     assert model(input_ids=torch.zeros(1, 4, dtype=torch.long)).logits.shape == (1, 4, 128)
 
 
+def test_the_logits_saver_trains_exactly_as_plain_training_without_prompt_logits(tmp_path, monkeypatch):
+    import optimum_pact.memory.logits_mask as logits_mask
+
+    heads = []  # rows the output head ran on in each training forward
+    real = logits_mask.subset_cross_entropy
+    monkeypatch.setattr(
+        logits_mask,
+        "subset_cross_entropy",
+        lambda hidden, *a, **k: heads.append(hidden.shape[0]) or real(hidden, *a, **k),
+    )
+    plain_losses, plain, _ = _train(tmp_path / "plain", max_steps=4)
+    losses, adapters, model = _train(tmp_path / "logits", max_steps=4, pact_memory_saver="logits")
+    # the head ran on the labelled positions only: 4 rows x (24 - 10) shifted targets, not 4 x 23 positions
+    assert heads == [4 * 14] * 4
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain_losses), atol=1e-5, rtol=1e-5)
+    for name, value in plain.items():
+        torch.testing.assert_close(adapters[name], value, atol=1e-5, rtol=1e-4, msg=name)
+    assert _patched_forwards(model) == [] and not (tmp_path / "logits" / "pact-offload").exists()
+
+
 def test_full_savers_train_with_the_subset_softmax(tmp_path):
     losses, _, _ = _train(tmp_path, max_steps=24, pact_memory_saver="full", pact_subset_k=16)
     assert losses[-1] < losses[0] - 0.4
@@ -64,7 +84,7 @@ def test_full_savers_train_with_the_subset_softmax(tmp_path):
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"pact_memory_saver": "all"}, "pact_memory_saver='all' is not one of none, exact, full"),
+        ({"pact_memory_saver": "all"}, "pact_memory_saver='all' is not one of none, logits, exact, full"),
         ({"pact_memory_saver": "exact", "activation_checkpointing": True}, "set activation_checkpointing=False"),
         ({"pact_memory_saver": "exact", "pact_subset_k": 100}, "pact_subset_k=100 is used by pact_memory_saver="),
         ({"pact_memory_saver": "full", "pact_subset_k": 0}, "pact_subset_k=0 must be a positive integer"),

@@ -20,7 +20,7 @@ from transformers.trainer_callback import ProgressCallback
 from optimum_pact.dataflow import FrozenLinear
 from optimum_pact.errors import OptionError
 from optimum_pact.fusion import fuse_cpu_ops
-from optimum_pact.memory import MemorySavers, OffloadError, check_subset_k, pin_mmap_threshold, trim_heap
+from optimum_pact.memory import HeapTrimmer, MemorySavers, OffloadError, check_subset_k, pin_mmap_threshold
 from peft_ext.conversion import apply_pact_options
 
 from .resources import ResourceReportCallback
@@ -40,10 +40,14 @@ class _ThreadsCallback(TrainerCallback):
 
 
 class _HeapTrimCallback(TrainerCallback):
-    """pact_trim_heap: glibc's free heap back to the operating system after each optimizer step."""
+    """pact_trim_heap: glibc's free heap back to the operating system after the first optimizer step, then whenever
+    the resident set has grown past what that step left (`HeapTrimmer`)."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trimmer = HeapTrimmer()
 
     def on_step_end(self, args, state, control, **kwargs):
-        trim_heap()
+        self.trimmer()
 
 
 def attention_implementation(model) -> str | None:
@@ -246,7 +250,8 @@ class PactTrainer(Trainer):
                 f"pact_offload_dir={args.offload_dir!r} is not writable ({err.__cause__ or err}); pass a writable "
                 "folder on a disk with free space, or pact_memory_saver='none'.",
             ) from err
-        logger.info("PactTrainer: memory savers %r on, offloading to %s", args.pact_memory_saver, args.offload_dir)
+        where = f", offloading to {args.offload_dir}" if args.savers_checkpoint else ""
+        logger.info("PactTrainer: memory savers %r on%s", args.pact_memory_saver, where)
         return savers
 
     def _mapped_weights_metrics(self) -> dict:

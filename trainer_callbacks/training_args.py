@@ -18,7 +18,7 @@ from peft_ext.options import PactOptions, check_pact_options, derived_options
 
 from .thermal import check_pacing_options
 
-MEMORY_SAVERS = tuple(MEMORY_SAVER_PRESETS)  # none, exact, full
+MEMORY_SAVERS = tuple(MEMORY_SAVER_PRESETS)  # none, logits, exact, full
 MODEL_PREFIX = "pact_"
 # PactOptions' fields (backend, AQLoRA, precision budget) as `pact_<name>`: declared once, in PactOptions
 PactModelArguments = derived_options("PactModelArguments", prefix=MODEL_PREFIX)
@@ -95,11 +95,10 @@ class PactTrainingArguments(TrainingArguments, PactModelArguments):
     pact_trim_heap: bool = field(
         default=True,
         metadata={
-            "help": "After each optimizer step, hand glibc's free heap back to the operating system (malloc_trim): "
-            "glibc keeps a step's freed activations resident in its arenas, and they pile up over steps. "
-            "SmolLM2 batch 4 x 512 bf16 (benchmarks/bench_train_step.py, Intel Xeon with AMX): peak RSS 4.98 GiB "
-            "trimmed against 5.49-5.70 untrimmed, for a few percent of the step. optimum_pact.trim_heap() does the "
-            "same without PactTrainer."
+            "help": "Hand glibc's free heap back to the operating system (malloc_trim) after the first optimizer "
+            "step, then whenever the resident set has grown past what that step left: glibc keeps a step's freed "
+            "activations resident in its arenas, and they pile up over steps. optimum_pact.HeapTrimmer does the "
+            "same without PactTrainer (benchmarks/bench_main_job.py, bench_train_step.py measure it)."
         },
     )
     pact_mmap_threshold: int | None = field(
@@ -183,7 +182,9 @@ class PactTrainingArguments(TrainingArguments, PactModelArguments):
     pact_memory_saver: str = field(
         default="none",
         metadata={
-            "help": "'exact': checkpoint every decoder block with its input offloaded to disk, MLP recomputed in "
+            "help": "'logits': the output head run only at labelled positions, so a prompt's tokens never get "
+            "[vocab] logits (same loss and gradients as 'none'; less time and memory wherever prompts are "
+            "unlabelled). 'exact': checkpoint every decoder block with its input offloaded to disk, MLP recomputed in "
             "chunks, frozen weights memory-mapped, output head run only at labelled positions (same loss and "
             "gradients as 'none'). 'full': 'exact' + the loss as a softmax over the target and its "
             "pact_subset_k - 1 nearest tokens and the batch's other targets (an approximation). 'none': off.",
@@ -322,13 +323,13 @@ class PactTrainingArguments(TrainingArguments, PactModelArguments):
                 "mlp_chunk_tokens": "pact_mlp_chunk_tokens",
             },
         )
-        if self.pact_offload_dir is not None and not self.memory_savers_enabled:
+        if self.pact_offload_dir is not None and not self.savers_checkpoint:
             raise OptionError(
                 "pact_offload_dir",
                 f"pact_offload_dir={self.pact_offload_dir!r} is used by pact_memory_saver 'exact' or 'full' only; "
                 "set pact_memory_saver or drop pact_offload_dir.",
             )
-        if self.memory_savers_enabled and self.activation_checkpointing:  # gradient_checkpointing is its alias
+        if self.savers_checkpoint and self.activation_checkpointing:  # gradient_checkpointing is its alias
             raise OptionError(
                 "pact_memory_saver",
                 f"pact_memory_saver={self.pact_memory_saver!r} checkpoints the decoder blocks itself; set "
@@ -353,6 +354,11 @@ class PactTrainingArguments(TrainingArguments, PactModelArguments):
         return self.pact_memory_saver != "none"
 
     @property
+    def savers_checkpoint(self) -> bool:
+        """Whether the memory saver checkpoints the blocks itself (and offloads, maps the weights): 'exact', 'full'."""
+        return MEMORY_SAVER_PRESETS[self.pact_memory_saver]["checkpoint"]
+
+    @property
     def offload_dir(self) -> str:
         """Where the memory savers put offloaded activations and mapped weights."""
         return self.pact_offload_dir or os.path.join(self.output_dir, "pact-offload")
@@ -363,7 +369,7 @@ class PactTrainingArguments(TrainingArguments, PactModelArguments):
             "offload_dir": self.offload_dir,
             "cache_mib": float(self.pact_activation_cache_mib),
             "mlp_chunk_tokens": self.pact_mlp_chunk_tokens,
-            "stream_weights": bool(self.pact_stream_weights) and streaming_available(),
+            "stream_weights": bool(self.pact_stream_weights) and streaming_available() and self.savers_checkpoint,
         }
         if self.pact_memory_saver == "full" and self.pact_subset_k is not None:
             options["subset_k"] = self.pact_subset_k

@@ -39,6 +39,7 @@ MAIN_JOB_DEFAULTS = {
     "num_train_epochs": 2.0,
     "per_device_train_batch_size": 8,
     "warmup_steps": 5,
+    "pact_memory_saver": "logits",  # the output head only on the answer's tokens: exact, and ~10% less time
     "logging_steps": 5,
     "seed": 0,
     "report_to": "none",

@@ -6,7 +6,14 @@ peft, Trainer or application imports. `MemorySavers` switches everything on; the
 """
 
 from .accounting import LiveTensorTracker, fake_module, fake_peak, module_tensors
-from .allocator import DEFAULT_MMAP_THRESHOLD, check_mmap_threshold, pin_mmap_threshold, trim_heap
+from .allocator import (
+    DEFAULT_MMAP_THRESHOLD,
+    HeapTrimmer,
+    check_mmap_threshold,
+    pin_mmap_threshold,
+    resident_bytes,
+    trim_heap,
+)
 from .checkpoint import BlockCheckpointing, find_blocks
 from .logits_mask import causal_lm_loss, labelled_positions
 from .offload import ActivationOffloader, OffloadError
@@ -41,6 +48,8 @@ __all__ = [
     "module_tensors",
     "pin_mmap_threshold",
     "trim_heap",
+    "HeapTrimmer",
+    "resident_bytes",
     "streaming_available",
     "subset_cross_entropy",
 ]

@@ -13,9 +13,12 @@ the threshold pinned, 0.25 GB arenas and 4.2 / 4.5 GiB peaks. That is the whole 
 large tensors go back to the operating system when freed. It is process-wide and stays set. The price is a fresh
 mapping, page faults and zeroed pages for every tensor above it, every time: on bf16-native CPUs, where the step's
 products are fast, a 4 MiB pin made peft's own SmolLM2 step 1.2-1.4x slower (benchmarks/bench_train_step.py,
-lora_pinned against lora). `trim_heap` (`malloc_trim(0)`) instead hands the arenas' free pages back once, after a
-step: the next step faults in what it touches again, once, and the freed activations no longer pile up. PactTrainer
-trims after every step (`pact_trim_heap`) and pins nothing unless asked (`pact_mmap_threshold`).
+lora_pinned against lora). `trim_heap` (`malloc_trim(0)`) instead hands the arenas' free pages back once: the next
+step faults in what it touches again, and the freed activations no longer pile up. Trimming after every step costs
+those faults every step (about 0.1 s a step for the main job's SmolLM2 steps, ~15% of them); `HeapTrimmer` trims
+after the first step and then only when the resident set has grown past what that step left resident, so a step
+that reuses the heap's holes costs nothing. PactTrainer runs one (`pact_trim_heap`) and pins nothing unless asked
+(`pact_mmap_threshold`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import logging
 import os
 
 logger = logging.getLogger(__name__)
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 M_MMAP_THRESHOLD = -3  # malloc.h
 DEFAULT_MMAP_THRESHOLD = 4 * 2**20
@@ -71,3 +75,33 @@ def trim_heap() -> bool:
     anything was released; False where nothing was, or where the C library is not glibc."""
     libc = _glibc()
     return bool(libc is not None and libc.malloc_trim(0))
+
+
+def resident_bytes() -> int | None:
+    """This process's resident set now (VmRSS, from /proc/self/statm), None where /proc has no statm."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * _PAGE_SIZE
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class HeapTrimmer:
+    """`trim_heap` when it pays: call it after each training step. The first call trims and keeps the resident set
+    the step left (its activations freed but still resident: the working set the next step reuses); a later call
+    trims only once the resident set exceeds that by more than `slack` (default: 1/32 of it, at least 64 MiB), i.e.
+    when freed memory piles up instead of being reused. Where /proc cannot be read it trims every call."""
+
+    MIN_SLACK = 64 * 2**20
+
+    def __init__(self, slack: int | None = None):
+        self.slack, self.baseline, self.trims = slack, None, 0
+
+    def __call__(self) -> bool:
+        rss = resident_bytes()
+        if self.baseline is None or rss is None:
+            self.baseline = rss
+        elif rss <= self.baseline + (self.slack if self.slack is not None else max(self.MIN_SLACK, rss // 32)):
+            return False
+        self.trims += 1
+        return trim_heap()

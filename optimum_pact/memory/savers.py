@@ -27,6 +27,8 @@ from .weights import WeightsFile, map_frozen_weights
 
 MEMORY_SAVER_PRESETS = {
     "none": {"checkpoint": False, "offload": False, "map_weights": False, "subset_k": None, "mask_logits": False},
+    # the output head only at labelled positions, nothing recomputed: exact, and faster where prompts are unlabelled
+    "logits": {"checkpoint": False, "offload": False, "map_weights": False, "subset_k": None, "mask_logits": True},
     # exact: same loss and gradients as without savers (up to float summation order)
     "exact": {"checkpoint": True, "offload": True, "map_weights": True, "subset_k": None, "mask_logits": True},
     # exact + the top-k softmax approximation
@@ -131,7 +133,8 @@ class MemorySavers:
 
     @classmethod
     def from_preset(cls, model: nn.Module, preset: str, **overrides) -> MemorySavers:
-        """`preset` is one of MEMORY_SAVER_PRESETS ('none', 'exact', 'full'); keywords override its options."""
+        """`preset` is one of MEMORY_SAVER_PRESETS ('none', 'logits', 'exact', 'full'); keywords override its
+        options."""
         if preset not in MEMORY_SAVER_PRESETS:
             raise ValueError(f"memory saver {preset!r} is not one of {', '.join(MEMORY_SAVER_PRESETS)}.")
         return cls(model, **{**MEMORY_SAVER_PRESETS[preset], **overrides})
