@@ -6,6 +6,7 @@ Arms, each a fresh process (so its peak RSS is its own), in an order rotated per
   pact_dropin    the same stock Trainer script with LoraConfig -> peft_ext.PactConfig (same fields)
   pact_finetune  the real console command: `pact finetune --seed S --output TMP --dtype D`
   pact_finetune_padded / pact_finetune_packed  the same with --pact_padding_free false / true
+  pact_finetune_fused  the same with --pact_fuse_cpu_ops true (its compile time inside the training time)
   peft_lora_dup  peft_lora again: its ratio to peft_lora is the noise floor
 Every arm trains on the main job's rows (`tokenize_examples` on the built-in notes' train items) with the main job's
 defaults (`MAIN_JOB_DEFAULTS`: r, alpha, all linears, lr, batch, epochs, warmup; so the arms stay equal when they
@@ -37,9 +38,14 @@ from common import cpu_model, log, status_bytes  # lscpu's model and AMX; /proc/
 
 ARMS = (
     "peft_lora", "peft_qlora", "pact_dropin", "pact_finetune", "peft_lora_dup", "pact_finetune_padded",
-    "pact_finetune_packed",
+    "pact_finetune_packed", "pact_finetune_fused",
 )  # fmt: skip
-PADDING_FREE = {"pact_finetune_padded": "false", "pact_finetune_packed": "true"}
+# the pact_finetune variants: the flags each adds to `pact finetune`
+ARM_FLAGS = {
+    "pact_finetune_padded": ["--pact_padding_free", "false"],
+    "pact_finetune_packed": ["--pact_padding_free", "true"],
+    "pact_finetune_fused": ["--pact_fuse_cpu_ops", "true"],
+}
 DEFAULT_ARMS = ARMS[:5]
 REF = "peft_lora"
 NOISE = "peft_lora_dup"
@@ -121,9 +127,11 @@ def run_trainer_arm(arm: str, seed: int, dtype_name: str, max_steps: int | None)
             "peak_rss_gib": status_bytes("VmHWM") / 2**30}  # fmt: skip
 
 
-def run_pact_finetune(seed: int, dtype_name: str, max_steps: int | None, arm: str = "pact_finetune") -> dict:
-    """The installed `pact finetune` console command; time and accuracy from its summary.json, peak RSS its process's
-    (ru_maxrss of the waited-for child: VmHWM at its exit)."""
+def run_pact_finetune(
+    seed: int, dtype_name: str, max_steps: int | None, arm: str = "pact_finetune", extra: list[str] = ()
+) -> dict:
+    """The installed `pact finetune` console command (with `extra` flags); time and accuracy from its summary.json,
+    peak RSS its process's (ru_maxrss of the waited-for child: VmHWM at its exit)."""
     import resource
     import tempfile
 
@@ -131,7 +139,8 @@ def run_pact_finetune(seed: int, dtype_name: str, max_steps: int | None, arm: st
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [str(pact), "finetune", "--seed", str(seed), "--output", tmp, "--dtype", dtype_name]
         cmd += ["--max_steps", str(max_steps)] if max_steps else []
-        cmd += ["--pact_padding_free", PADDING_FREE[arm]] if arm in PADDING_FREE else []
+        cmd += ARM_FLAGS.get(arm, [])
+        cmd += list(extra)
         subprocess.run(cmd, check=True, stdout=sys.stderr)  # its summary text: beside the progress, not our JSON
         summary = json.loads((Path(tmp) / "summary.json").read_text())
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024

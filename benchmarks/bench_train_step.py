@@ -9,7 +9,8 @@ Arms (`--dtype` is the compute dtype of every arm but lora_fp32; bf16 by default
   qlora_nf4       peft + bitsandbytes nf4             lora_fp32     peft LoRA in fp32 (the accuracy reference)
   pact            PactConfig, glibc's own malloc policy                    pact_fused    pact + fuse_cpu_ops
   pact_pinned     pact with glibc's mmap threshold pinned at 4 MiB (pact_mmap_threshold)
-  pact_trimmed    pact, glibc's free heap handed back after each step (malloc_trim)
+  pact_trimmed    pact with PactTrainer's default pact_trim_heap: glibc's free heap handed back after the first step
+                  and whenever the resident set grows past it (optimum_pact.HeapTrimmer)
 Every arm: r=16 on all linears, AdamW on the adapter, forward + backward + optimizer step, one warm-up step (it also
 pays the compile arms' compile time) then `--steps` timed ones. Per arm: median step time and the process's peak RSS
 (VmHWM, mapped pages included). Sizes: `smollm2` (SmolLM2-135M, real weights, batch 4 x 512) and `qwen2.5-0.5b`
@@ -93,17 +94,17 @@ def run_arm(arm: str, model_path: str, steps: int, batch: int, seq: int, r: int,
     opt = torch.optim.AdamW(params, lr=1e-4)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq))
     times = []
-    from optimum_pact import trim_heap
+    from optimum_pact.memory import HeapTrimmer
 
-    trim = arm == "pact_trimmed"  # glibc's free heap handed back after each step, as pact_trim_heap does
+    trim = HeapTrimmer() if arm == "pact_trimmed" else None  # as PactTrainer's pact_trim_heap does
     for i in range(steps + 1):  # the first step warms up (and compiles)
         start = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if trim:
-            trim_heap()
+        if trim is not None:
+            trim()
         if i:
             times.append(time.perf_counter() - start)
     return {"arm": arm, "step_s": statistics.median(times), "steps_s": times, "peak_rss_gib": peak_rss_bytes() / 2**30}

@@ -22,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_main_job  # noqa: E402  (its --table prints markdown_table)
 import personalization_report as report  # noqa: E402  (eval_personalization.py --table prints its markdown_table)
+import sweep_main_job  # noqa: E402  (its --table prints markdown_table)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -187,6 +188,15 @@ def main_job_packing(results: dict) -> str:
               f"{padded['accuracy_pct']['mean']:.1f} +/- {padded['accuracy_pct']['se']:.1f}%; peak RSS "
               f"{packed['peak_rss_gib']:.2f} against {padded['peak_rss_gib']:.2f} GiB."]  # fmt: skip
     return "\n".join(lines)
+
+
+@section(
+    "main_job_sweep",
+    "The main job's defaults: a sweep of what `pact finetune` sets",
+    "python benchmarks/sweep_main_job.py --settings default,cosine,warmup0,packed",
+)
+def main_job_sweep(results: dict) -> str:
+    return sweep_main_job.markdown_table(results)
 
 
 @section(
