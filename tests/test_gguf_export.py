@@ -4,6 +4,8 @@ adapter, and (slow) on the main job's adapter llama.cpp scores and generates as 
 
 import json
 import os
+import subprocess
+import sys
 
 import gguf
 import numpy as np
@@ -304,3 +306,47 @@ def test_llama_cpp_scores_and_generates_as_pacts_merged_model(main_job, tmp_path
           f"greedy tokens agreeing (of 32): {agreeing}; GGUF {size / 1e6:.1f} MB")  # fmt: skip
     assert abs(accuracy - report.merged) <= 1 / len(heldout) + 1e-9, (accuracy, report)
     assert all(n >= 16 for n in agreeing), agreeing
+
+
+def _token_losses(logits: torch.Tensor, rows: list[dict]) -> float:
+    """Mean cross-entropy over the labelled tokens of `rows`, from each row's [len, vocab] logits."""
+    total, count = 0.0, 0
+    for row, row_logits in zip(rows, logits):
+        labels = torch.tensor(row["labels"][1:])
+        keep = labels != -100
+        losses = torch.nn.functional.cross_entropy(row_logits[:-1][keep].float(), labels[keep], reduction="sum")
+        total, count = total + losses.item(), count + int(keep.sum())
+    return total / count
+
+
+@pytest.mark.slow
+def test_llama_cpp_holds_out_a_chat_adapters_loss_as_pacts_merged_model(tmp_path):
+    pytest.importorskip("llama_cpp", reason="needs llama-cpp-python (optimum-pact[llama])")
+    from optimum_pact.commands.data.generative import tokenize_generative
+    from optimum_pact.commands.finetune import load_data
+
+    run = tmp_path / "chat-run"
+    command = [sys.executable, "-m", "optimum_pact.commands.cli", "finetune", "--data", "chat", "--output", str(run)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    merged_folder = tmp_path / "merged"
+    export_nvfp4_merged(run / "adapter", merged_folder, data="chat")
+    model_file = write_gguf(merged_folder, tmp_path / "chat.gguf")
+    tokenizer = AutoTokenizer.from_pretrained(merged_folder)
+    form, _, heldout = load_data("chat")
+    rows = tokenize_generative(tokenizer, heldout, form)
+    merged = AutoModelForCausalLM.from_pretrained(merged_folder)
+    with torch.no_grad():
+        pact = _token_losses([merged(input_ids=torch.tensor([r["input_ids"]])).logits[0] for r in rows], rows)
+    llm = _llama(model_file, logits_all=True, n_ctx=1024)
+    theirs = []
+    try:
+        for row in rows:
+            llm.reset()
+            llm.eval(row["input_ids"])
+            theirs.append(torch.from_numpy(np.array(llm.scores[: len(row["input_ids"])])))
+    finally:
+        llm.close()
+    llama = _token_losses(theirs, rows)
+    print(f"held-out loss of the chat adapter merged: llama.cpp {llama:.4f} vs PACT {pact:.4f} on {len(rows)} rows")
+    assert abs(llama - pact) <= 0.02 * pact, (llama, pact)
