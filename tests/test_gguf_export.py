@@ -13,6 +13,7 @@ import pytest
 import torch
 from gguf.quants import dequantize
 from safetensors.torch import load_file
+from test_generation import _adapter
 from test_gguf_lora import _llama_cpp_accuracy
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
@@ -31,21 +32,6 @@ NVFP4 = gguf.GGMLQuantizationType.NVFP4
 LINEARS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
            "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
            "mlp.down_proj": "ffn_down"}  # fmt: skip
-
-
-def _adapter(base_folder, out, seed=1):
-    """A LoRA adapter with random, strong B (it changes greedy tokens), saved as plain PEFT files."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
-    model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.mul_(20)
-    model.save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -187,7 +173,7 @@ def test_llama_cpp_computes_what_pact_does_from_the_file(nvfp4_folder, tmp_path)
 
 
 def test_pact_export_gguf_merged_and_no_merge_and_llama_cpps_lora_refusal(small_model, tmp_path, capsys):
-    adapter = _adapter(small_model, tmp_path / "adapter")
+    adapter = _adapter(small_model, tmp_path / "adapter", seed=1)
     base = ["export", "--format", "gguf", "--adapter", str(adapter), "--model", str(small_model)]
     assert main([*base, "--output", str(tmp_path / "me.gguf")]) == 0
     out = capsys.readouterr().out
@@ -214,7 +200,7 @@ def test_pact_export_gguf_merged_and_no_merge_and_llama_cpps_lora_refusal(small_
 
 def test_the_llama_cpp_engine_exports_once_and_again_when_the_adapter_changes(small_model, tmp_path, capsys):
     pytest.importorskip("llama_cpp", reason="needs llama-cpp-python (optimum-pact[llama])")
-    adapter = _adapter(small_model, tmp_path / "adapter")
+    adapter = _adapter(small_model, tmp_path / "adapter", seed=1)
     argv = ["generate", "--model", str(small_model), "--adapter", str(adapter), "--max_new_tokens", "8"]
     assert main([*argv, "--engine", "llama.cpp", "hello there"]) == 0
     first = capsys.readouterr()
@@ -247,7 +233,7 @@ def test_the_llama_cpp_engine_falls_back_to_pact_and_says_so(small_model, capsys
 
 def test_the_llama_cpp_engine_samples_at_a_temperature(small_model, tmp_path, capsys):
     pytest.importorskip("llama_cpp", reason="needs llama-cpp-python (optimum-pact[llama])")
-    adapter = _adapter(small_model, tmp_path / "adapter")
+    adapter = _adapter(small_model, tmp_path / "adapter", seed=1)
     argv = ["generate", "--model", str(small_model), "--adapter", str(adapter), "--engine", "llama.cpp"]
     assert main([*argv, "--max_new_tokens", "6", "--temperature", "0.8", "--top_p", "0.9", "hello"]) == 0
     assert capsys.readouterr().out.strip()
