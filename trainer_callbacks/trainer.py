@@ -17,6 +17,7 @@ from transformers import (
 )
 from transformers.trainer_callback import ProgressCallback
 
+from optimum_pact.attention import use_short_attention
 from optimum_pact.dataflow import FrozenLinear
 from optimum_pact.errors import OptionError
 from optimum_pact.fusion import fuse_cpu_ops
@@ -209,7 +210,9 @@ class PactTrainer(Trainer):
             resume_from_checkpoint = str(resume_from_checkpoint)
         if isinstance(self.args, PactTrainingArguments) and self.args.pact_mmap_threshold is not None:
             pin_mmap_threshold(self.args.pact_mmap_threshold)
-        fuse = isinstance(self.args, PactTrainingArguments) and self.args.pact_fuse_cpu_ops
+        pact_args = isinstance(self.args, PactTrainingArguments)
+        short_attention = pact_args and self.args.pact_short_attention and use_short_attention(self.model)
+        fuse = pact_args and self.args.pact_fuse_cpu_ops
         self.fused_cpu_ops = fuse_cpu_ops(self.model) if fuse else None  # before the savers: they chunk the fused MLPs
         try:
             self.memory_savers = self._start_memory_savers()
@@ -227,6 +230,8 @@ class PactTrainer(Trainer):
                 self.memory_savers = None
             if self.fused_cpu_ops is not None:
                 self.fused_cpu_ops.restore()
+            if short_attention:
+                self.model.set_attn_implementation("sdpa")
 
     def _close_progress_bar(self) -> None:
         """End the Trainer's progress bar after a failed `train` (on_train_end, which closes it, does not run then)."""

@@ -92,6 +92,15 @@ class PactTrainingArguments(TrainingArguments, PactModelArguments):
             "optimum_pact.fuse_cpu_ops(model) does the same without PactTrainer."
         },
     )
+    pact_short_attention: bool = field(
+        default=True,
+        metadata={
+            "help": "While training, a model loaded with sdpa attention runs optimum_pact.attention's 'pact_sdpa': "
+            "on the CPU, a layer's attention over at most 192 keys (and 2**21 scores) is fp32 matmuls + softmax "
+            "instead of sdpa's flash kernel, whose CPU backward costs 2-3x as much at short lengths; longer "
+            "sequences, inference and other devices stay on sdpa. sdpa is restored after training."
+        },
+    )
     pact_trim_heap: bool = field(
         default=True,
         metadata={
@@ -238,6 +247,10 @@ class PactTrainingArguments(TrainingArguments, PactModelArguments):
                 raise OptionError("pact_mmap_threshold", f"{err} None leaves glibc's own policy.") from None
         if not isinstance(self.pact_trim_heap, bool):
             raise OptionError("pact_trim_heap", f"pact_trim_heap={self.pact_trim_heap!r} must be True or False.")
+        if not isinstance(self.pact_short_attention, bool):
+            raise OptionError(
+                "pact_short_attention", f"pact_short_attention={self.pact_short_attention!r} must be True or False."
+            )
         if not isinstance(self.pact_fuse_cpu_ops, bool):
             raise OptionError(
                 "pact_fuse_cpu_ops", f"pact_fuse_cpu_ops={self.pact_fuse_cpu_ops!r} must be True or False."

@@ -1,0 +1,84 @@
+"""Attention while training on the CPU: `pact_sdpa` (optimum_pact.attention) against transformers' sdpa, per layer.
+
+One layer's attention, forward + backward, on SmolLM2-135M's heads (9 query heads on 3 key/value heads, head dim
+64), bf16, at the shapes the main job and bench_train_step give it: batch x length from 8 x 20 (a padded main-job
+batch) and 1 x 135 (the same batch padding-free) to 4 x 512. Padded batches get sdpa_mask's bool mask (row 0 padded
+by a quarter), single rows none (causal). Arms per shape, interleaved over --rounds: `sdpa` (transformers' function,
+the flash kernel on the CPU), `pact_sdpa` (fp32 matmuls up to
+EAGER_MAX_LENGTH keys and EAGER_MAX_SCORES scores, sdpa above) and `sdpa_dup`
+(sdpa again: the noise floor). Prints one JSON line: per shape the median milliseconds and pact_sdpa / sdpa; with
+--output FOLDER also writes it to FOLDER/results.json.
+
+    python benchmarks/bench_attention.py [--rounds 30] [--output benchmarks/results/attention]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from datetime import date
+from pathlib import Path
+
+from common import cpu_model
+
+SHAPES = ((8, 20), (8, 40), (1, 135), (4, 128), (1, 300), (4, 256), (4, 512))
+HEADS, KV_HEADS, DIM = 9, 3, 64
+
+
+class _Layer:  # what the attention functions read from the attention module
+    num_key_value_groups, is_causal, training = HEADS // KV_HEADS, True, True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--output", help="a folder: results.json is written there")
+    args = parser.parse_args()
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from optimum_pact.attention import EAGER_MAX_LENGTH, EAGER_MAX_SCORES, short_attention_forward
+
+    torch.manual_seed(0)
+    arms = {"sdpa": sdpa_attention_forward, "pact_sdpa": short_attention_forward, "sdpa_dup": sdpa_attention_forward}
+    rows = []
+    for batch, length in SHAPES:
+        q = torch.randn(batch, HEADS, length, DIM, dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(batch, KV_HEADS, length, DIM, dtype=torch.bfloat16, requires_grad=True) for _ in "kv")
+        mask = None
+        if batch > 1:
+            mask = torch.ones(batch, 1, length, length, dtype=torch.bool).tril()
+            mask[0, :, :, length - length // 4 :] = False
+        grad = torch.randn(batch, length, HEADS, DIM, dtype=torch.bfloat16)
+        times = {arm: [] for arm in arms}
+        for i in range(args.rounds + 2):  # two warm-up rounds
+            for arm, fn in arms.items():
+                start = time.perf_counter()
+                out, _ = fn(_Layer(), q, k, v, mask, scaling=DIM**-0.5)
+                out.backward(grad)
+                if i >= 2:
+                    times[arm].append(time.perf_counter() - start)
+        ms = {arm: 1e3 * statistics.median(t) for arm, t in times.items()}
+        rows.append({"batch": batch, "length": length, "scores": batch * HEADS * length * length,
+                     "ms": {a: round(m, 3) for a, m in ms.items()},
+                     "pact_sdpa_over_sdpa": round(ms["pact_sdpa"] / ms["sdpa"], 3),
+                     "noise_sdpa_dup_over_sdpa": round(ms["sdpa_dup"] / ms["sdpa"], 3)})  # fmt: skip
+    results = {"bench": "attention", "date": date.today().isoformat(), "cpu": cpu_model(),
+               "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.system()}; {cpu_model()}",
+               "threads": torch.get_num_threads(), "dtype": "bfloat16", "eager_max_length": EAGER_MAX_LENGTH,
+               "eager_max_scores": EAGER_MAX_SCORES,
+               "rounds": args.rounds, "shapes": rows}  # fmt: skip
+    if args.output:
+        from optimum_pact.files import write_text_atomic
+
+        Path(args.output).mkdir(parents=True, exist_ok=True)
+        write_text_atomic(Path(args.output) / "results.json", json.dumps(results, indent=1) + "\n")
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()
