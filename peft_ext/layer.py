@@ -23,9 +23,11 @@ class PactLoraLinear(LoraLinear):
 
     The base product (and its input gradient) runs on the PACT backend from the packed NVFP4 weight; the adapter
     path `lora_B(lora_A(dropout(x))) * scaling` is peft's, so adapter weights, names and files are plain LoRA.
-    With `PactConfig.overlap` (default: on for backends other than torch) a single vanilla adapter without dropout
-    runs through `LoraFrozenProduct`, which computes the adapter path on the CPU while the backend computes the
-    frozen product, forward and backward; anything else takes peft's own forward.
+    A single active vanilla adapter without dropout runs through `LoraFrozenProduct`: peft's products and roundings
+    in one autograd node, and with `PactConfig.overlap` (default: on for backends other than torch) the adapter path
+    on the CPU while the backend computes the frozen product, forward and backward. Anything else (several adapters,
+    dropout while training, DoRA and other variants, peft's per-call arguments, hooks on the base layer) takes peft's
+    own forward.
     """
 
     def __init__(self, base_layer, adapter_name: str, config, **kwargs):
@@ -61,12 +63,14 @@ class PactLoraLinear(LoraLinear):
             if y is not None:
                 return y
         adapter = self._plain_adapter(args, kwargs)
-        if adapter is None or not self.pact_overlap:
+        if adapter is None:
             return super().forward(x, *args, **kwargs)
         base = self.get_base_layer()
         lora_a, lora_b = self.lora_A[adapter].weight, self.lora_B[adapter].weight
-        scaling = self.scaling[adapter]
-        return LoraFrozenProduct.apply(x, lora_a, lora_b, scaling, base.backend, base.handle, base.bias, base.stream)
+        scaling, overlap = self.scaling[adapter], self.pact_overlap
+        return LoraFrozenProduct.apply(
+            x, lora_a, lora_b, scaling, base.backend, base.handle, base.bias, base.stream, overlap
+        )
 
     def _fused_forward(self, x: torch.Tensor) -> torch.Tensor | None:
         """Inference: the frozen product and the adapter's term in one backend call where the backend fuses them
@@ -80,8 +84,9 @@ class PactLoraLinear(LoraLinear):
         """The one active vanilla-LoRA adapter the overlapped and fused paths can run, or None (peft's own path)."""
         if args or kwargs or self.disable_adapters or self.merged:
             return None
-        if not isinstance(self.get_base_layer(), FrozenLinear):
-            return None
+        base = self.get_base_layer()
+        if not isinstance(base, FrozenLinear) or base._forward_hooks or base._forward_pre_hooks:
+            return None  # hooks on the base layer see its calls on peft's path, which calls it
         active = [a for a in self.active_adapters if a in self.lora_A]
         if len(active) != 1:
             return None

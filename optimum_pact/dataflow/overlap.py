@@ -1,10 +1,13 @@
-"""One LoRA layer whose frozen product runs on the backend while the CPU computes the adapter path.
+"""One LoRA layer as ONE autograd node; optionally the backend's frozen product beside the CPU's adapter path.
 
 `LoraFrozenProduct` computes `base(x) + bias + (x @ A.T @ B.T) * scaling` (peft's vanilla LoRA, same dtypes and
-rounding) and its backward. In forward, the backend's `x @ deq(W).T` is submitted to a worker thread first, then the
-CPU computes the adapter product; in backward, the backend's `dy @ deq(W)` runs in the worker while the CPU computes
-both adapter gradients and the adapter's input gradient. ONNX Runtime (and torch's kernels) release the GIL, so the
-two really run at once. Nothing extra is saved: `x` and `x @ A.T` are what peft's own path saves for the adapter.
+rounding) and its backward. With `overlap`, in forward the backend's `x @ deq(W).T` is submitted to a worker thread
+first, then the CPU computes the adapter product; in backward, the backend's `dy @ deq(W)` runs in the worker while
+the CPU computes both adapter gradients and the adapter's input gradient. ONNX Runtime (and torch's kernels) release
+the GIL, so the two really run at once. Without `overlap` (the torch backend: both would share the same cores) the
+same products run one after the other: what it saves then is autograd's bookkeeping, one node per layer instead of
+peft's several (casts, two products, the scaling, the sum, views). Nothing extra is saved for backward: `x` and
+`x @ A.T` are what peft's own path saves for the adapter.
 """
 
 from __future__ import annotations
@@ -26,10 +29,36 @@ def _worker() -> ThreadPoolExecutor:
     return _executor
 
 
+class _Done:
+    """A result computed already, read like a Future's."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def result(self):
+        return self.value
+
+
+def _run(overlap: bool, fn, *args):
+    """`fn(*args)` in the backend's worker thread (a Future) with `overlap`, else now."""
+    return _worker().submit(fn, *args) if overlap else _Done(fn(*args))
+
+
 class LoraFrozenProduct(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, lora_a, lora_b, scaling: float, backend, handle: Any, bias: torch.Tensor | None, stream=None):
-        base = _worker().submit(streamed(backend.forward, stream, "forward"), x.detach(), handle)
+    def forward(
+        ctx,
+        x,
+        lora_a,
+        lora_b,
+        scaling: float,
+        backend,
+        handle: Any,
+        bias: torch.Tensor | None,
+        stream=None,
+        overlap: bool = True,
+    ):
+        base = _run(overlap, streamed(backend.forward, stream, "forward"), x.detach(), handle)
         xa = x.to(lora_a.dtype)
         h = xa @ lora_a.t()
         lora = (h @ lora_b.t()) * scaling
@@ -37,6 +66,7 @@ class LoraFrozenProduct(torch.autograd.Function):
         if bias is not None:
             result = result + bias.to(result.dtype)
         ctx.backend, ctx.handle, ctx.scaling, ctx.x_dtype, ctx.stream = backend, handle, scaling, x.dtype, stream
+        ctx.overlap = overlap
         ctx.save_for_backward(xa, h, lora_a, lora_b)
         return (result + lora).to(result.dtype)
 
@@ -45,7 +75,7 @@ class LoraFrozenProduct(torch.autograd.Function):
         xa, h, lora_a, lora_b = ctx.saved_tensors
         dy = dy.contiguous()
         input_grad = streamed(ctx.backend.input_grad, ctx.stream, "input_grad")
-        base = _worker().submit(input_grad, dy, ctx.handle) if ctx.needs_input_grad[0] else None
+        base = _run(ctx.overlap, input_grad, dy, ctx.handle) if ctx.needs_input_grad[0] else None
         g = dy.to(lora_b.dtype) * ctx.scaling
         gh = g @ lora_b  # [..., r]
         grad_b = g.reshape(-1, g.shape[-1]).t() @ h.reshape(-1, h.shape[-1]) if ctx.needs_input_grad[2] else None
@@ -54,4 +84,4 @@ class LoraFrozenProduct(torch.autograd.Function):
         if base is not None:
             dx_lora = (gh @ lora_a).to(ctx.x_dtype)
             dx = base.result() + dx_lora
-        return dx, grad_a, grad_b, None, None, None, None, None
+        return dx, grad_a, grad_b, None, None, None, None, None, None
