@@ -33,6 +33,8 @@ SETTINGS = {
     "warmup0": ["--warmup_steps", "0"],
     "lr3e-3": ["--learning_rate", "3e-3"],
     "packed": ["--pact_padding_free", "true"],
+    "padded": ["--pact_padding_free", "false"],
+    "protect10": ["--pact_protect_fraction", "0.1"],
     "lr1e-3": ["--learning_rate", "1e-3"],
     "speed15": ["--pact_adapt", "speed", "--pact_adapt_top_blocks", "15"],
 }

@@ -200,10 +200,53 @@ def main_job_sweep(results: dict) -> str:
 
 
 @section(
+    "main_job_packing_seeds",
+    "The main job packed (padding-free) against padded, ten more seeds",
+    "python benchmarks/sweep_main_job.py --settings padded,packed --seeds 5 6 7 8 9 10 11 12 13 14 "
+    "--output benchmarks/results/main_job_packing_seeds/results.json",
+    note="accuracy only: the runs shared the machine, so their times are not compared",
+)
+def main_job_packing_seeds(results: dict) -> str:
+    runs = {(r["setting"], r["seed"]): r for r in results["runs"]}
+    seeds = sorted({seed for setting, seed in runs if ("padded", seed) in runs and ("packed", seed) in runs})
+    diffs = [100 * (runs["packed", s]["accuracy"] - runs["padded", s]["accuracy"]) for s in seeds]
+    lines = ["| seed | packed accuracy | padded accuracy | packed - padded (points) |", "|---|---|---|---|"]
+    for seed, diff in zip(seeds, diffs):
+        lines.append(f"| {seed} | {runs['packed', seed]['accuracy']:.1%} | {runs['padded', seed]['accuracy']:.1%} | "
+                     f"{diff:+.1f} |")  # fmt: skip
+    paired = bench_main_job.mean_se(diffs)
+    lines += ["", f"Packed - padded over {len(seeds)} seeds: {bench_main_job._pm(paired, sign='+')} points."]
+    return "\n".join(lines)
+
+
+@section(
+    "attention",
+    "Attention while training on the CPU: pact_sdpa against sdpa, one layer",
+    "python benchmarks/bench_attention.py --output benchmarks/results/attention",
+)
+def attention(results: dict) -> str:
+    lines = [
+        f"SmolLM2-135M's heads (9 query heads on 3 key/value heads, dim 64), {results['dtype']}, forward + backward "
+        f"of one layer, {results['threads']} threads, median of {results['rounds']} rounds, arms interleaved; "
+        f"pact_sdpa runs fp32 matmuls up to {results['eager_max_length']} keys and {results['eager_max_scores']} "
+        "scores, sdpa above.",
+        "",
+        "| batch x length | scores | sdpa (ms) | pact_sdpa (ms) | pact_sdpa / sdpa | noise: sdpa again / sdpa |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in results["shapes"]:
+        ms = row["ms"]
+        lines.append(f"| {row['batch']} x {row['length']} | {row['scores']} | {ms['sdpa']:.2f} | "
+                     f"{ms['pact_sdpa']:.2f} | {row['pact_sdpa_over_sdpa']:.3f} | "
+                     f"{row['noise_sdpa_dup_over_sdpa']:.3f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+@section(
     "train_step",
     "One training step, PACT against peft LoRA and QLoRA",
     "python benchmarks/bench_train_step.py --sessions 3 --steps 2 "
-    "--arms lora,lora_dup,pact,pact_trimmed --output benchmarks/results/train_step",
+    "--arms lora,lora_dup,qlora_nf4,pact,pact_trimmed --output benchmarks/results/train_step",
 )
 def train_step(results: dict) -> str:
     lines = [

@@ -23,7 +23,9 @@ VOCAB = 128  # conftest's tiny models
 # (tokens, prompt tokens): four lengths, three rows padded; no prompt (the 'text' format): every token learned but
 # the first, which nothing predicts (padded: it starts a row; packed: its label is -100, or example 1 would predict it)
 EXAMPLES = [(7, 3), (12, 5), (4, 0), (9, 4)]
-ATTENTION = ["eager", "sdpa"]  # what trains on CPU; flex_attention keeps examples apart too but has no CPU backward
+# what trains on CPU (pact_sdpa: PactTrainer's, optimum_pact.attention); flex_attention keeps examples apart too but
+# has no CPU backward
+ATTENTION = ["eager", "sdpa", "pact_sdpa"]
 # fp32 rounding: the packed and padded batches run the same products on rows laid out differently
 TOL = {"atol": 1e-6, "rtol": 1e-5}
 
@@ -206,16 +208,16 @@ def test_padded_rows_are_refused():
         PaddingFreeCollator()(rows)
 
 
-def test_main_job_pads_by_default_and_packs_when_asked():
-    assert parse_finetune_args([]).args.pact_padding_free is False
-    assert parse_finetune_args(["--pact_padding_free", "true"]).args.pact_padding_free is True
+def test_main_job_packs_by_default_and_pads_when_asked():
+    assert parse_finetune_args([]).args.pact_padding_free is True
+    assert parse_finetune_args(["--pact_padding_free", "false"]).args.pact_padding_free is False
     assert PactTrainingArguments(output_dir="unused", report_to="none").pact_padding_free is False  # the library's
 
 
 def test_main_job_pads_with_a_note_where_the_attention_cannot_pack(small_model, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(finetune, "supports_padding_free", lambda model: False)
     argv = ["finetune", "--model", str(small_model), "--output", str(tmp_path / "run"), "--max-steps", "1"]
-    assert main([*argv, "--dtype", "float32", "--pact_padding_free", "true"]) == 0
+    assert main([*argv, "--dtype", "float32"]) == 0  # packing is the main job's default
     assert "padding-free batches off: this model's attention (sdpa) does not keep packed examples apart" in (
         capsys.readouterr().err
     )

@@ -40,6 +40,7 @@ MAIN_JOB_DEFAULTS = {
     "per_device_train_batch_size": 8,
     "warmup_steps": 5,
     "pact_memory_saver": "logits",  # the output head only on the answer's tokens: exact, and ~10% less time
+    "pact_padding_free": True,  # no pad token computed; same loss and gradients (fp32), same accuracy over 20 seeds
     "logging_steps": 5,
     "seed": 0,
     "report_to": "none",

@@ -98,9 +98,9 @@ def _finetune(run: FinetuneRun) -> FinetuneSummary:
         _say("computing in float32: this CPU has no native bf16 arithmetic (emulated bf16 is many times slower)")
     base = load_causal_lm(model_path, job.model, dtype=dtype)
 
-    # padded batches for the held-out loss and the calibration batch; with --pact_padding_free true PactTrainer joins
-    # each training batch into one row instead (the same loss and gradients in fp32, no pad tokens computed). Not the
-    # main job's default: in bf16 it ended 2.7 points lower over 5 seeds (benchmarks/bench_main_job.py)
+    # padded batches for the held-out loss and the calibration batch; with pact_padding_free (the main job's default)
+    # PactTrainer joins each training batch into one row instead (the same loss and gradients in fp32, no pad tokens
+    # computed), where the model's attention keeps packed examples apart
     collator = DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
     if args.pact_padding_free and not supports_padding_free(base):
         _say(
