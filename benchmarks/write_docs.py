@@ -220,6 +220,37 @@ def main_job_packing_seeds(results: dict) -> str:
 
 
 @section(
+    "main_job_seeds_5_14",
+    "The main job against stock peft on ten more seeds (accuracy)",
+    "python benchmarks/bench_main_job.py --arms peft_lora --seeds 5 6 7 8 9 10 11 12 13 14 "
+    "--output benchmarks/results/main_job_seeds_5_14/results.json",
+    note="stock peft LoRA's runs; pact finetune's are main_job_packing_seeds' (packed: the default), paired by seed",
+)
+def main_job_seeds_5_14(results: dict) -> str:
+    results_dir = Path(__file__).resolve().parent / "results"
+    sweep = json.loads((results_dir / "main_job_packing_seeds" / "results.json").read_text())["runs"]
+    first = json.loads((results_dir / "main_job" / "results.json").read_text())["runs"]
+    stock = {r["seed"]: 100 * r["accuracy"] for r in results["runs"] if r["arm"] == "peft_lora"}
+    pact = {(r["setting"], r["seed"]): 100 * r["accuracy"] for r in sweep}
+    lines = ["| seed | stock peft LoRA | pact finetune (packed) | packed - stock | padded | padded - stock |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for seed in sorted(stock):
+        packed, padded = pact["packed", seed], pact["padded", seed]
+        lines.append(f"| {seed} | {stock[seed]:.1f}% | {packed:.1f}% | {packed - stock[seed]:+.1f} | {padded:.1f}% | "
+                     f"{padded - stock[seed]:+.1f} |")  # fmt: skip
+    diffs = [pact["packed", seed] - stock[seed] for seed in sorted(stock)]
+    both = {r["seed"]: 100 * r["accuracy"] for r in first if r["arm"] == "peft_lora"}
+    ours = {r["seed"]: 100 * r["accuracy"] for r in first if r["arm"] == "pact_finetune"}
+    pooled = diffs + [ours[seed] - both[seed] for seed in sorted(both) if seed in ours]
+    stock_se = bench_main_job.mean_se(list(stock.values()))
+    lines += ["", f"Stock peft LoRA {bench_main_job._pm(stock_se)}% over these seeds; pact finetune - stock "
+              f"{bench_main_job._pm(bench_main_job.mean_se(diffs), sign='+')} points here, "
+              f"{bench_main_job._pm(bench_main_job.mean_se(pooled), sign='+')} over {len(pooled)} seeds with the "
+              "main job's table (seeds 0-4)."]  # fmt: skip
+    return "\n".join(lines)
+
+
+@section(
     "attention",
     "Attention while training on the CPU: pact_sdpa against sdpa, one layer",
     "python benchmarks/bench_attention.py --output benchmarks/results/attention",
