@@ -22,12 +22,15 @@ def _grads(model, ids):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_one_node_layer_serial_and_overlapped_equals_peft_path(arch, dtype, monkeypatch):
+@pytest.mark.parametrize("alpha", [8, 6])  # scaling 2 (a power of two: multiplied on the rank-sized side) and 1.5
+def test_one_node_layer_serial_and_overlapped_equals_peft_path(arch, dtype, alpha, monkeypatch):
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
     runs = {}
     for path in ("peft", False, True):
         overlap = path if isinstance(path, bool) else False
-        config = PactConfig(r=4, target_modules="all-linear", init_lora_weights="gaussian", overlap=overlap)
+        config = PactConfig(
+            r=4, lora_alpha=alpha, target_modules="all-linear", init_lora_weights="gaussian", overlap=overlap
+        )
         model = get_peft_model(tiny_model(arch).to(dtype), config)
         assert all(m.pact_overlap is overlap for m in model.modules() if isinstance(m, PactLoraLinear))
         with monkeypatch.context() as patch:

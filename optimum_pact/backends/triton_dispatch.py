@@ -42,11 +42,12 @@ def interpreting() -> bool:
 def runs_on_triton(a: torch.Tensor, handle: object) -> bool:
     """Whether the product of activations `a` and the prepared weight `handle` runs in the Triton kernels: an NVFP4
     weight, activations in a dtype they take, both on CUDA (or both on the CPU under the interpreter)."""
-    if not isinstance(handle, NVFP4Tensor) or a.dtype not in DTYPES or _set("PACT_DISABLE_TRITON"):
+    if not isinstance(handle, NVFP4Tensor) or a.dtype not in DTYPES:
         return False
-    if a.is_cuda:
-        return handle.qdata.is_cuda and triton_available()
-    return a.is_cpu and handle.qdata.is_cpu and interpreting() and triton_available()
+    if a.is_cuda:  # the environment is read last: a CPU step runs this 400+ times
+        return handle.qdata.is_cuda and not _set("PACT_DISABLE_TRITON") and triton_available()
+    on_cpu = a.is_cpu and handle.qdata.is_cpu
+    return on_cpu and interpreting() and not _set("PACT_DISABLE_TRITON") and triton_available()
 
 
 @functools.cache

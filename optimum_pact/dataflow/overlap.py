@@ -12,6 +12,7 @@ peft's several (casts, two products, the scaling, the sum, views). Nothing extra
 
 from __future__ import annotations
 
+import math
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -44,6 +45,12 @@ def _run(overlap: bool, fn, *args):
     return _worker().submit(fn, *args) if overlap else _Done(fn(*args))
 
 
+def _exact_scale(scaling: float) -> bool:
+    """Whether multiplying by `scaling` is exact in any float format: a positive power of two (LoRA's alpha / r is
+    usually 2)."""
+    return scaling > 0 and math.frexp(scaling)[0] == 0.5
+
+
 class LoraFrozenProduct(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -61,13 +68,17 @@ class LoraFrozenProduct(torch.autograd.Function):
         base = _run(overlap, streamed(backend.forward, stream, "forward"), x.detach(), handle)
         xa = x.to(lora_a.dtype)
         h = xa @ lora_a.t()
-        lora = (h @ lora_b.t()) * scaling
+        # `(h @ B.T) * s` as peft computes it; with s a power of two `(h * s) @ B.T` is the same bits (scaling by
+        # 2**k is exact and commutes with every rounding) for an [..., r] multiply instead of an [..., out] one
+        lora = (h * scaling) @ lora_b.t() if _exact_scale(scaling) else (h @ lora_b.t()) * scaling
         result = base.result()
         if bias is not None:
             result = result + bias.to(result.dtype)
         ctx.backend, ctx.handle, ctx.scaling, ctx.x_dtype, ctx.stream = backend, handle, scaling, x.dtype, stream
         ctx.overlap = overlap
         ctx.save_for_backward(xa, h, lora_a, lora_b)
+        if lora.dtype == torch.promote_types(lora.dtype, result.dtype):  # the sum peft takes, without a new tensor
+            return lora.add_(result).to(result.dtype)
         return (result + lora).to(result.dtype)
 
     @staticmethod
@@ -76,9 +87,14 @@ class LoraFrozenProduct(torch.autograd.Function):
         dy = dy.contiguous()
         input_grad = streamed(ctx.backend.input_grad, ctx.stream, "input_grad")
         base = _run(ctx.overlap, input_grad, dy, ctx.handle) if ctx.needs_input_grad[0] else None
-        g = dy.to(lora_b.dtype) * ctx.scaling
-        gh = g @ lora_b  # [..., r]
-        grad_b = g.reshape(-1, g.shape[-1]).t() @ h.reshape(-1, h.shape[-1]) if ctx.needs_input_grad[2] else None
+        scaling = ctx.scaling
+        exact = _exact_scale(scaling)  # as in forward: then the scaling goes on the [..., r] and [out, r] products
+        g = dy.to(lora_b.dtype) if exact else dy.to(lora_b.dtype) * scaling
+        gh = (g @ lora_b).mul_(scaling) if exact else g @ lora_b  # [..., r]
+        grad_b = None
+        if ctx.needs_input_grad[2]:
+            grad_b = g.reshape(-1, g.shape[-1]).t() @ h.reshape(-1, h.shape[-1])
+            grad_b = grad_b.mul_(scaling) if exact else grad_b
         grad_a = gh.reshape(-1, gh.shape[-1]).t() @ xa.reshape(-1, xa.shape[-1]) if ctx.needs_input_grad[1] else None
         dx = None
         if base is not None:
