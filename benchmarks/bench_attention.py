@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import time
 from datetime import date
 from pathlib import Path
 
-from common import cpu_model
+from common import cpu_model, machine
 
 SHAPES = ((8, 20), (8, 40), (1, 135), (4, 128), (1, 300), (4, 256), (4, 512))
 HEADS, KV_HEADS, DIM = 9, 3, 64
@@ -68,7 +66,7 @@ def main() -> None:
                      "pact_sdpa_over_sdpa": round(ms["pact_sdpa"] / ms["sdpa"], 3),
                      "noise_sdpa_dup_over_sdpa": round(ms["sdpa_dup"] / ms["sdpa"], 3)})  # fmt: skip
     results = {"bench": "attention", "date": date.today().isoformat(), "cpu": cpu_model(),
-               "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.system()}; {cpu_model()}",
+               "machine": machine(),
                "threads": torch.get_num_threads(), "dtype": "bfloat16", "eager_max_length": EAGER_MAX_LENGTH,
                "eager_max_scores": EAGER_MAX_SCORES,
                "rounds": args.rounds, "shapes": rows}  # fmt: skip

@@ -25,8 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -34,7 +32,7 @@ import time
 from datetime import date
 from pathlib import Path
 
-from common import cpu_model, log, status_bytes  # lscpu's model and AMX; /proc/self/status fields
+from common import cpu_model, log, machine, status_bytes  # lscpu's model and AMX; /proc/self/status fields
 
 ARMS = (
     "peft_lora", "peft_qlora", "pact_dropin", "pact_finetune", "peft_lora_dup", "pact_finetune_padded",
@@ -280,9 +278,9 @@ def main() -> None:
     previous = json.loads(out.read_text()) if args.resume and out.is_file() else {}
     if previous:
         check_settings(out, previous["config"], config)
-    machine = f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.system()}; {cpu_model()}"
-    piece = {"machine": machine, "date": date.today().isoformat(), "seeds": args.seeds, "arms": arms}
-    results = {"bench": "main_job", "config": config, "machine": machine, "cpu": cpu_model(), "date": piece["date"],
+    where = machine()
+    piece = {"machine": where, "date": date.today().isoformat(), "seeds": args.seeds, "arms": arms}
+    results = {"bench": "main_job", "config": config, "machine": where, "cpu": cpu_model(), "date": piece["date"],
                "versions": versions(), "pieces": previous.get("pieces", []),
                "runs": previous.get("runs", [])}  # fmt: skip
     done = {(r["arm"], r["seed"]) for r in results["runs"]}

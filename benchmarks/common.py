@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import os
 import platform
 import subprocess
 import sys
@@ -45,6 +46,12 @@ def cpu_model() -> str:
     simd = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
     bf16 = ", AVX512-BF16" if "avx512_bf16" in flags else ""
     return f"{name} ({'AMX' if 'amx_tile' in flags else 'no AMX'}, {simd}{bf16})"
+
+
+def machine() -> str:
+    """The machine as results files record it, e.g. "x86_64, 2 CPU cores, Linux; AMD EPYC (no AMX, AVX-512,
+    AVX512-BF16)" (write_docs.machine_words reads it back)."""
+    return f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.system()}; {cpu_model()}"
 
 
 def model_folder(key: str, quick: bool) -> str:

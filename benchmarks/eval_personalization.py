@@ -38,8 +38,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 from datetime import date
@@ -49,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import personal_tasks  # noqa: E402
 import personalization_report as report  # noqa: E402
 import resume  # noqa: E402
-from common import cpu_model, reset_peak_rss, status_bytes, trim_memory  # noqa: E402
+from common import machine, reset_peak_rss, status_bytes, trim_memory  # noqa: E402
 from personalization_training import build, evaluate, qnn_agreement, scale_rule, train  # noqa: E402
 
 from optimum_pact.precision.compute_dtype import DTYPES  # noqa: E402
@@ -462,7 +460,7 @@ def main(argv=None) -> dict:
     start = time.perf_counter()
     results = {
         "bench": "eval_personalization",
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {platform.system()}; {cpu_model()}",
+        "machine": machine(),
         "date": date.today().isoformat(),
         "config": {k: v for k, v in vars(args).items() if k not in ("table", "output")},
         "workloads": {},

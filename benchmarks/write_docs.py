@@ -227,9 +227,8 @@ def main_job_packing_seeds(results: dict) -> str:
     note="stock peft LoRA's runs; pact finetune's are main_job_packing_seeds' (packed: the default), paired by seed",
 )
 def main_job_seeds_5_14(results: dict) -> str:
-    results_dir = Path(__file__).resolve().parent / "results"
-    sweep = json.loads((results_dir / "main_job_packing_seeds" / "results.json").read_text())["runs"]
-    first = json.loads((results_dir / "main_job" / "results.json").read_text())["runs"]
+    sweep = json.loads((RESULTS / "main_job_packing_seeds" / "results.json").read_text())["runs"]
+    first = json.loads((RESULTS / "main_job" / "results.json").read_text())["runs"]
     stock = {r["seed"]: 100 * r["accuracy"] for r in results["runs"] if r["arm"] == "peft_lora"}
     pact = {(r["setting"], r["seed"]): 100 * r["accuracy"] for r in sweep}
     lines = ["| seed | stock peft LoRA | pact finetune (packed) | packed - stock | padded | padded - stock |",
