@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -129,8 +130,7 @@ def run_pact_finetune(
     seed: int, dtype_name: str, max_steps: int | None, arm: str = "pact_finetune", extra: list[str] = ()
 ) -> dict:
     """The installed `pact finetune` console command (with `extra` flags); time and accuracy from its summary.json,
-    peak RSS its process's (ru_maxrss of the waited-for child: VmHWM at its exit)."""
-    import resource
+    peak RSS its process's (ru_maxrss of that child alone, from wait4: VmHWM at its exit)."""
     import tempfile
 
     pact = Path(sys.executable).with_name("pact")
@@ -139,9 +139,14 @@ def run_pact_finetune(
         cmd += ["--max_steps", str(max_steps)] if max_steps else []
         cmd += ARM_FLAGS.get(arm, [])
         cmd += list(extra)
-        subprocess.run(cmd, check=True, stdout=sys.stderr)  # its summary text: beside the progress, not our JSON
+        child = subprocess.Popen(cmd, stdout=sys.stderr)  # its summary text: beside the progress, not our JSON
+        # wait4: this child's own rusage; RUSAGE_CHILDREN would be the largest of every child waited for so far
+        _, status, usage = os.wait4(child.pid, 0)
+        child.returncode = code = os.waitstatus_to_exitcode(status)
+        if code:
+            raise subprocess.CalledProcessError(code, cmd)
         summary = json.loads((Path(tmp) / "summary.json").read_text())
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    peak = usage.ru_maxrss * 1024
     return {"arm": arm, "seed": seed, "train_s": summary["train_seconds"],
             "accuracy": summary["accuracy_after"], "steps": summary["steps"], "final_loss": summary["final_loss"],
             "peak_rss_gib": peak / 2**30, "summary_peak_rss_gib": summary["peak_rss_gib"]}  # fmt: skip

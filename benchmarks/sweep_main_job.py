@@ -37,6 +37,11 @@ SETTINGS = {
     "protect10": ["--pact_protect_fraction", "0.1"],
     "lr1e-3": ["--learning_rate", "1e-3"],
     "speed15": ["--pact_adapt", "speed", "--pact_adapt_top_blocks", "15"],
+    # AQLoRA's quality setting: a fraction of the decoder linears kept 16-bit, ranked by NVFP4 error (the weights
+    # alone, no calibration batch)
+    "protect10_nvfp4": ["--pact_protect_fraction", "0.1", "--pact_rank_by", "nvfp4"],
+    "protect25_nvfp4": ["--pact_protect_fraction", "0.25", "--pact_rank_by", "nvfp4"],
+    "protect50_nvfp4": ["--pact_protect_fraction", "0.5", "--pact_rank_by", "nvfp4"],
 }
 
 

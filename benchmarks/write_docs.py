@@ -193,9 +193,24 @@ def main_job_packing(results: dict) -> str:
 @section(
     "main_job_sweep",
     "The main job's defaults: a sweep of what `pact finetune` sets",
-    "python benchmarks/sweep_main_job.py --settings default,cosine,warmup0,packed",
+    "python benchmarks/sweep_main_job.py --settings default,cosine,warmup0,packed; then --settings "
+    "protect25_nvfp4,protect10_nvfp4,protect50_nvfp4 --resume",
+    note="`default` ran while the main job padded its batches and kept every linear NVFP4 (before "
+    "pact_padding_free and pact_protect_fraction 0.25 became its defaults)",
 )
 def main_job_sweep(results: dict) -> str:
+    return sweep_main_job.markdown_table(results)
+
+
+@section(
+    "main_job_sweep_seeds_5_14",
+    "The main job's AQLoRA protection on ten more seeds",
+    "python benchmarks/sweep_main_job.py --settings protect25_nvfp4,protect50_nvfp4 --seeds 5 6 7 8 9 10 11 12 13 14 "
+    "--reference benchmarks/results/main_job_seeds_5_14/results.json "
+    "--output benchmarks/results/main_job_sweep_seeds_5_14/results.json",
+    note="accuracy only: the runs shared the machine with tests for a while, so their times are not compared",
+)
+def main_job_sweep_seeds_5_14(results: dict) -> str:
     return sweep_main_job.markdown_table(results)
 
 

@@ -73,12 +73,28 @@ def test_soc_model_without_qnn_is_a_clear_error(capsys):
 def test_main_job_with_a_precision_plan(small_model, tmp_path, capsys):
     out = tmp_path / "run"
     args = ["finetune", "--model", str(small_model), "--output", str(out), "--max-steps", "3"]
-    assert main([*args, "--precision-budget-mib", "0.05", "--dtype", "float32"]) == 0
+    # no AQLoRA protection (the main job's default keeps a quarter 16-bit): the plan alone decides the fp16 layers
+    assert main([*args, "--precision-budget-mib", "0.05", "--dtype", "float32", "--pact_protect_fraction", "0"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["products"] == {"torch": 3 * (14 + 11)} and 0 < summary["fp16_linears"] < 14
     plan = json.loads((out / "adapter" / "pact_config.json").read_text())["precision_plan"]
     assert sum(p == "fp16" for p in plan.values()) == summary["fp16_linears"] and len(plan) == 14
     assert "kept 16-bit" in capsys.readouterr().out
+
+
+def test_main_job_keeps_the_quarter_nvfp4_reproduces_worst_16bit(small_model, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from peft_ext.ranking import choose_protected
+
+    out = tmp_path / "run"
+    assert main(["finetune", "--model", str(small_model), "--output", str(out), "--max-steps", "1"]) == 0
+    assert "ranked by gradient sensitivity" not in capsys.readouterr().err  # from the weights: no calibration pass
+    pact = json.loads((out / "adapter" / "pact_config.json").read_text())
+    assert pact["rank_by"] == "nvfp4" and pact["protect_fraction"] == 0.25
+    worst = choose_protected(AutoModelForCausalLM.from_pretrained(small_model), 0.25, "nvfp4")
+    assert len(worst) == 4 and pact["protected_modules"] == worst  # 14 linears: round(3.5) = 4
+    assert json.loads((out / "summary.json").read_text())["fp16_linears"] == 4
 
 
 @pytest.mark.skipif(not is_qnn_available(), reason="needs onnxruntime-qnn (optimum-pact[qnn])")
