@@ -36,7 +36,8 @@ def log(*args) -> None:
 
 def cpu_model() -> str:
     """lscpu's model name, whether AMX is there and the widest vector / bf16 support (the machines differ), e.g.
-    "AMD EPYC (no AMX, AVX-512, AVX512-BF16)"; the platform's processor where lscpu is missing."""
+    "AMD EPYC (no AMX, AVX-512, AVX512-BF16)", and the cap where benchmarks/avx2_only.sh set one; the platform's
+    processor where lscpu is missing."""
     try:
         out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     except OSError:
@@ -45,7 +46,10 @@ def cpu_model() -> str:
     flags = set(next((line.split(":", 1)[1].split() for line in out.splitlines() if line.startswith("Flags")), []))
     simd = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
     bf16 = ", AVX512-BF16" if "avx512_bf16" in flags else ""
-    return f"{name} ({'AMX' if 'amx_tile' in flags else 'no AMX'}, {simd}{bf16})"
+    # benchmarks/avx2_only.sh caps torch's kernels and PACT's at AVX2: say so beside the CPU that really ran
+    cap = os.environ.get("ATEN_CPU_CAPABILITY")
+    capped = f" capped at {cap.upper()} by benchmarks/avx2_only.sh (an emulation)" if cap else ""
+    return f"{name} ({'AMX' if 'amx_tile' in flags else 'no AMX'}, {simd}{bf16}){capped}"
 
 
 def machine() -> str:
