@@ -47,6 +47,27 @@ def test_one_node_layer_serial_and_overlapped_equals_peft_path(arch, dtype, alph
             torch.testing.assert_close(grads_b[name], grads_a[name], **tol)
 
 
+def test_layers_fed_the_same_input_share_its_cast_until_it_changes():
+    from optimum_pact.dataflow import overlap
+
+    model = get_peft_model(tiny_model().to(torch.bfloat16), PactConfig(r=4, target_modules="all-linear"))
+    attn = model.base_model.model.model.layers[0].self_attn
+    x = torch.randn(1, 5, attn.q_proj.in_features, dtype=torch.bfloat16, requires_grad=True)
+    q, k = attn.q_proj(x), attn.k_proj(x)
+    saved_q, saved_k = q.grad_fn.saved_tensors[0], k.grad_fn.saved_tensors[0]
+    assert saved_q.dtype == torch.float32 and saved_q.data_ptr() == saved_k.data_ptr()  # cast once, saved once
+    torch.testing.assert_close(saved_q, x.detach().float(), atol=0, rtol=0)
+    with torch.no_grad():
+        x.mul_(2)  # written in place (exactly): its version moves, so the next layer casts it again
+    v = attn.v_proj(x)
+    saved_v = v.grad_fn.saved_tensors[0]
+    assert saved_v.data_ptr() != saved_q.data_ptr()
+    torch.testing.assert_close(saved_v, x.detach().float(), atol=0, rtol=0)
+    torch.testing.assert_close(saved_q * 2, saved_v, atol=0, rtol=0)  # q's copy kept what q read
+    del q, k, v, saved_q, saved_k, saved_v
+    assert overlap._last_cast[3]() is None  # the cache kept nothing alive once the graph was gone
+
+
 class RecordingBackend(TorchBackend):
     """The torch backend, noting which thread ran each product."""
 

@@ -62,3 +62,23 @@ def test_trainer_trains_pact_model_and_reports_resources(tmp_path):
     # the measured throughput is steps over the wall-clock of training (the Trainer's own figure counts the same)
     final = trainer.state.log_history[-1]
     assert logs[-1]["train_steps_per_second_measured"] == pytest.approx(final["train_steps_per_second"], rel=0.5)
+
+
+def test_total_flos_is_the_trainers_with_the_parameters_counted_once_per_train(tmp_path, monkeypatch):
+    from transformers import Trainer
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (8, 16))
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+    model = get_peft_model(tiny_model(), PactConfig(r=4, target_modules="all-linear"))
+    args = _args(tmp_path, max_steps=3, per_device_train_batch_size=4)
+    trainer = PactTrainer(model=model, args=args, train_dataset=data)
+    counted = []
+    count = type(model.base_model.model).num_parameters
+    monkeypatch.setattr(
+        type(model.base_model.model), "num_parameters", lambda m, **kw: counted.append(1) or count(m, **kw)
+    )
+    trainer.train()
+    assert len(counted) == 1  # transformers' own count would walk the model on each of the 3 steps
+    expected = 3 * Trainer.floating_point_ops(trainer, {"input_ids": ids[:4]})
+    assert trainer.state.total_flos == expected and expected > 0

@@ -7,12 +7,14 @@ the CPU computes both adapter gradients and the adapter's input gradient. ONNX R
 the GIL, so the two really run at once. Without `overlap` (the torch backend: both would share the same cores) the
 same products run one after the other: what it saves then is autograd's bookkeeping, one node per layer instead of
 peft's several (casts, two products, the scaling, the sum, views). Nothing extra is saved for backward: `x` and
-`x @ A.T` are what peft's own path saves for the adapter.
+`x @ A.T` are what peft's own path saves for the adapter; layers fed the same `x` one after another (q, k and v; gate
+and up) share its cast to the adapter's dtype, so that is cast and saved once instead of two or three times.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -51,6 +53,26 @@ def _exact_scale(scaling: float) -> bool:
     return scaling > 0 and math.frexp(scaling)[0] == 0.5
 
 
+_last_cast: tuple | None = None  # (weakref to x, x's version, dtype, weakref to x.to(dtype)) of the latest cast
+
+
+def _cast_once(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x.to(dtype)`, reused while the next layer is fed the same, unmodified `x` (its version counter unchanged) and
+    the cast is still alive (saved by an earlier layer's node): the same bits, computed and held once. The cache holds
+    nothing alive itself."""
+    global _last_cast
+    if x.dtype == dtype:
+        return x
+    last = _last_cast
+    if last is not None and last[0]() is x and last[1] == x._version and last[2] == dtype:
+        cast = last[3]()
+        if cast is not None:
+            return cast
+    cast = x.to(dtype)
+    _last_cast = (weakref.ref(x), x._version, dtype, weakref.ref(cast))
+    return cast
+
+
 class LoraFrozenProduct(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -66,7 +88,7 @@ class LoraFrozenProduct(torch.autograd.Function):
         overlap: bool = True,
     ):
         base = _run(overlap, streamed(backend.forward, stream, "forward"), x.detach(), handle)
-        xa = x.to(lora_a.dtype)
+        xa = _cast_once(x, lora_a.dtype)
         h = xa @ lora_a.t()
         # `(h @ B.T) * s` as peft computes it; with s a power of two `(h * s) @ B.T` is the same bits (scaling by
         # 2**k is exact and commutes with every rounding) for an [..., r] multiply instead of an [..., out] one
@@ -77,8 +99,10 @@ class LoraFrozenProduct(torch.autograd.Function):
         ctx.backend, ctx.handle, ctx.scaling, ctx.x_dtype, ctx.stream = backend, handle, scaling, x.dtype, stream
         ctx.overlap = overlap
         ctx.save_for_backward(xa, h, lora_a, lora_b)
-        if lora.dtype == torch.promote_types(lora.dtype, result.dtype):  # the sum peft takes, without a new tensor
-            return lora.add_(result).to(result.dtype)
+        if lora.dtype == result.dtype:
+            return lora.add_(result)
+        if lora.dtype == torch.promote_types(lora.dtype, result.dtype):  # peft's sum in lora's dtype, rounded once
+            return torch.add(result, lora, out=torch.empty_like(result))  # into result's: one pass, no fp32 tensor
         return (result + lora).to(result.dtype)
 
     @staticmethod
