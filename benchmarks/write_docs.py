@@ -281,7 +281,8 @@ def attention(results: dict) -> str:
     ]
     for row in results["shapes"]:
         ms = row["ms"]
-        lines.append(f"| {row['batch']} x {row['length']} | {row['scores']} | {ms['sdpa']:.2f} | "
+        packed = f" ({row['examples']} examples packed)" if row.get("examples", 1) > 1 else ""
+        lines.append(f"| {row['batch']} x {row['length']}{packed} | {row['scores']} | {ms['sdpa']:.2f} | "
                      f"{ms['pact_sdpa']:.2f} | {row['pact_sdpa_over_sdpa']:.3f} | "
                      f"{row['noise_sdpa_dup_over_sdpa']:.3f} |")  # fmt: skip
     return "\n".join(lines)

@@ -103,6 +103,26 @@ def test_packed_batch_has_the_padded_batchs_losses_and_gradients(arch, attention
         torch.testing.assert_close(grads_packed[name], grad, **TOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
+def test_pact_sdpa_attends_a_packed_row_example_by_example(arch, monkeypatch):
+    import optimum_pact.attention as short
+
+    packed = PaddingFreeCollator()(_rows())
+    model = _lora(arch, "pact_sdpa")
+    shapes, attend = [], short._attend
+    monkeypatch.setattr(short, "_attend", lambda *args: shapes.append(args[1].shape) or attend(*args))
+    loss, tokens, grads = _step(model, packed)
+    heads, dim = model.config.num_attention_heads, model.config.hidden_size // model.config.num_attention_heads
+    assert shapes == [(len(EXAMPLES), heads, max(n for n, _ in EXAMPLES), dim)] * 2  # 4 rows of <= 12, not 1 of 32
+    shapes.clear()
+    monkeypatch.setattr(short, "_packed_segments", lambda mask: None)  # the whole row, other examples masked out
+    whole_loss, whole_tokens, whole_grads = _step(model, packed)
+    assert shapes == [(1, heads, sum(n for n, _ in EXAMPLES), dim)] * 2
+    torch.testing.assert_close(loss, whole_loss, **TOL)
+    torch.testing.assert_close(tokens, whole_tokens, **TOL)
+    for name, grad in whole_grads.items():
+        torch.testing.assert_close(grads[name], grad, **TOL, msg=lambda m, name=name: f"{name}: {m}")
+
+
 @pytest.mark.parametrize("attention", ATTENTION)
 def test_attention_stays_inside_each_example(arch, attention):
     model = _lora(arch, attention).eval()
