@@ -163,6 +163,18 @@ def main_job(results: dict) -> str:
 
 
 @section(
+    "main_job_avx2",
+    "The main job against stock peft, emulated AVX2-only CPU (fp32)",
+    "sh benchmarks/avx2_only.sh python benchmarks/bench_main_job.py --dtype float32 --seeds 0 1 2 "
+    "--output benchmarks/results/main_job_avx2/results.json",
+    note="an emulation: torch's kernels and PACT's NVFP4 kernel capped at AVX2 on the CPU named below (its caches, "
+    "memory bandwidth and clocks); bitsandbytes picks its CPU kernels by cpuid itself and was not capped",
+)
+def main_job_avx2(results: dict) -> str:
+    return bench_main_job.markdown_table(results)
+
+
+@section(
     "main_job_packing",
     "The main job packed (padding-free) against padded",
     "python benchmarks/bench_main_job.py --seeds 0 1 2 3 4 --arms pact_finetune_padded,pact_finetune "
@@ -310,6 +322,17 @@ def train_step(results: dict) -> str:
         sessions = ", ".join(f"{r:.3f}" for r in ratio["sessions"])
         lines.append(f"| {name} | {ratio['median']:.3f} | {sessions} |")
     return "\n".join(lines)
+
+
+@section(
+    "train_step_avx2",
+    "One training step, emulated AVX2-only CPU (fp32)",
+    "sh benchmarks/avx2_only.sh python benchmarks/bench_train_step.py --dtype float32 --sessions 2 --steps 2 "
+    "--arms lora,lora_dup,qlora_nf4,pact,pact_trimmed --output benchmarks/results/train_step_avx2",
+    note="an emulation, as for the main job above",
+)
+def train_step_avx2(results: dict) -> str:
+    return train_step(results)
 
 
 AQLORA_COMMAND = (

@@ -3,9 +3,9 @@
 sdpa's CPU flash kernel costs little forward but its backward has a fixed cost per (row, head): on SmolLM2-135M's
 shapes (one layer, forward + backward, bf16, 2-core Xeon with AMX; benchmarks/bench_attention.py) 3.39 ms for
 8 rows x 20 tokens against 1.07 ms as plain matmuls + softmax, 3.17 against 1.38 ms for one packed row of 135 (8
-examples, split as below), 7.84 against 6.95 ms at 4 x 128; from ~300 tokens (1 x 300, 4 x 256) the two are even and the flash kernel keeps its memory
-advantage. The main job's batches are ~20 tokens long (one packed row of ~135), and there the flash backward was 17%
-of a training step (torch.profiler).
+examples, split as below), 7.84 against 6.95 ms at 4 x 128; from ~300 tokens (1 x 300, 4 x 256) the two are even
+and the flash kernel keeps its memory advantage. The main job's batches are ~20 tokens long (one packed row of ~135),
+and there the flash backward was 17% of a training step (torch.profiler).
 
 `pact_sdpa` therefore computes a layer's attention as matmuls in fp32 (scores, mask, softmax, weighted values:
 nothing rounded to bf16 on the way, as the flash kernel accumulates in fp32) when autograd records it on the CPU, the
