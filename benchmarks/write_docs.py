@@ -154,15 +154,6 @@ def personalization_30steps(results: dict) -> str:
 
 
 @section(
-    "main_job",
-    "The main job against the same job in stock peft + Trainer",
-    "python benchmarks/bench_main_job.py --output benchmarks/results/main_job/results.json",
-)
-def main_job(results: dict) -> str:
-    return bench_main_job.markdown_table(results)
-
-
-@section(
     "main_job_avx2",
     "The main job against stock peft, emulated AVX2-only CPU (fp32)",
     "sh benchmarks/avx2_only.sh python benchmarks/bench_main_job.py --dtype float32 --seeds 0 1 2 "
@@ -170,7 +161,12 @@ def main_job(results: dict) -> str:
     note="an emulation: torch's kernels and PACT's NVFP4 kernel capped at AVX2 on the CPU named below (its caches, "
     "memory bandwidth and clocks); bitsandbytes picks its CPU kernels by cpuid itself and was not capped",
 )
-def main_job_avx2(results: dict) -> str:
+@section(
+    "main_job",
+    "The main job against the same job in stock peft + Trainer",
+    "python benchmarks/bench_main_job.py --output benchmarks/results/main_job/results.json",
+)
+def main_job(results: dict) -> str:
     return bench_main_job.markdown_table(results)
 
 
@@ -203,6 +199,14 @@ def main_job_packing(results: dict) -> str:
 
 
 @section(
+    "main_job_sweep_seeds_5_14",
+    "The main job's AQLoRA protection on ten more seeds",
+    "python benchmarks/sweep_main_job.py --settings protect25_nvfp4,protect50_nvfp4 --seeds 5 6 7 8 9 10 11 12 13 14 "
+    "--reference benchmarks/results/main_job_seeds_5_14/results.json "
+    "--output benchmarks/results/main_job_sweep_seeds_5_14/results.json",
+    note="accuracy only: the runs shared the machine with tests for a while, so their times are not compared",
+)
+@section(
     "main_job_sweep",
     "The main job's defaults: a sweep of what `pact finetune` sets",
     "python benchmarks/sweep_main_job.py --settings default,cosine,warmup0,packed; then --settings "
@@ -211,18 +215,6 @@ def main_job_packing(results: dict) -> str:
     "pact_padding_free and pact_protect_fraction 0.25 became its defaults)",
 )
 def main_job_sweep(results: dict) -> str:
-    return sweep_main_job.markdown_table(results)
-
-
-@section(
-    "main_job_sweep_seeds_5_14",
-    "The main job's AQLoRA protection on ten more seeds",
-    "python benchmarks/sweep_main_job.py --settings protect25_nvfp4,protect50_nvfp4 --seeds 5 6 7 8 9 10 11 12 13 14 "
-    "--reference benchmarks/results/main_job_seeds_5_14/results.json "
-    "--output benchmarks/results/main_job_sweep_seeds_5_14/results.json",
-    note="accuracy only: the runs shared the machine with tests for a while, so their times are not compared",
-)
-def main_job_sweep_seeds_5_14(results: dict) -> str:
     return sweep_main_job.markdown_table(results)
 
 
@@ -301,6 +293,13 @@ def attention(results: dict) -> str:
 
 
 @section(
+    "train_step_avx2",
+    "One training step, emulated AVX2-only CPU (fp32)",
+    "sh benchmarks/avx2_only.sh python benchmarks/bench_train_step.py --dtype float32 --sessions 2 --steps 2 "
+    "--arms lora,lora_dup,qlora_nf4,pact,pact_trimmed --output benchmarks/results/train_step_avx2",
+    note="an emulation, as for the main job above",
+)
+@section(
     "train_step",
     "One training step, PACT against peft LoRA and QLoRA",
     "python benchmarks/bench_train_step.py --sessions 3 --steps 2 "
@@ -322,17 +321,6 @@ def train_step(results: dict) -> str:
         sessions = ", ".join(f"{r:.3f}" for r in ratio["sessions"])
         lines.append(f"| {name} | {ratio['median']:.3f} | {sessions} |")
     return "\n".join(lines)
-
-
-@section(
-    "train_step_avx2",
-    "One training step, emulated AVX2-only CPU (fp32)",
-    "sh benchmarks/avx2_only.sh python benchmarks/bench_train_step.py --dtype float32 --sessions 2 --steps 2 "
-    "--arms lora,lora_dup,qlora_nf4,pact,pact_trimmed --output benchmarks/results/train_step_avx2",
-    note="an emulation, as for the main job above",
-)
-def train_step_avx2(results: dict) -> str:
-    return train_step(results)
 
 
 AQLORA_COMMAND = (
