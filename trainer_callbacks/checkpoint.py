@@ -96,6 +96,13 @@ def model_identity(model: torch.nn.Module) -> dict:
 
 def identity_mismatch(saved: dict, current: dict) -> str | None:
     """Why a checkpoint with identity `saved` cannot be resumed into a run with identity `current` (None: it can)."""
+    # the base first: another base also changes what is derived from its weights (AQLoRA's protected list)
+    if saved.get("base_fingerprint") != current.get("base_fingerprint"):
+        return (
+            f"a different base model: checkpoint {saved.get('base_model')!r} (fingerprint "
+            f"{str(saved.get('base_fingerprint'))[:12]}), this run {current.get('base_model')!r} (fingerprint "
+            f"{str(current.get('base_fingerprint'))[:12]})"
+        )
     if saved.get("adapter") != current.get("adapter"):
         old, new = saved.get("adapter", {}), current.get("adapter", {})
         diffs = []
@@ -105,12 +112,6 @@ def identity_mismatch(saved: dict, current: dict) -> str | None:
                 if a.get(key) != b.get(key):
                     diffs.append(f"{name}.{key}: checkpoint {a.get(key)!r}, this run {b.get(key)!r}")
         return "a different adapter configuration (LoRA/PactConfig): " + "; ".join(diffs[:6] or ["adapters differ"])
-    if saved.get("base_fingerprint") != current.get("base_fingerprint"):
-        return (
-            f"a different base model: checkpoint {saved.get('base_model')!r} (fingerprint "
-            f"{str(saved.get('base_fingerprint'))[:12]}), this run {current.get('base_model')!r} (fingerprint "
-            f"{str(current.get('base_fingerprint'))[:12]})"
-        )
     return None
 
 
