@@ -64,8 +64,9 @@ _last_segments: tuple | None = None  # (weakref to a mask, its version, what _pa
 def _packed_segments(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """For a mask [1, 1, T, T] that is exactly causal inside contiguous blocks and False across them (a padding-free
     row of two or more examples): where each token goes in the examples laid out as rows of the longest's length L
-    (flat indices into n * L, [T]), and which of those n * L places hold a token [n, L]. None for every other mask.
-    Computed once per mask tensor: the layers of one forward share it."""
+    (flat indices into n * L, [T]), and those rows' mask [n, 1, L, L] (causal over each example's own places; the
+    places past its end attend too, and are dropped). None for every other mask. Computed once per mask tensor: the
+    layers of one forward share it."""
     global _last_segments
     last = _last_segments
     if last is not None and last[0]() is mask and last[1] == mask._version:
@@ -84,7 +85,8 @@ def _packed_segments(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | 
                 example = torch.cumsum(first == pos, 0) - 1  # each token's example
                 place = example * longest + (pos - first)
                 own = torch.arange(longest, device=grid.device)[None, :] < lengths[:, None]
-                found = (place, own)
+                causal = torch.ones(longest, longest, dtype=torch.bool, device=grid.device).tril()
+                found = (place, causal & own[:, None, None, :])
     _last_segments = (weakref.ref(mask), mask._version, found)
     return found
 
@@ -108,8 +110,8 @@ def short_attention_forward(
         )
     segments = _packed_segments(attention_mask) if query.shape[0] == 1 and attention_mask is not None else None
     if segments is not None:  # a padding-free row: its examples as a batch of rows, each causal over its own tokens
-        place, own = segments
-        n, longest = own.shape
+        place, mask = segments
+        n, longest = mask.shape[0], mask.shape[-1]
         # each token copied to its place, zeros after an example's end: index_copy and index_select, whose gradients
         # are each other (a gather and a scatter of distinct places), not an accumulating index_put
         q, k, v = (
@@ -117,8 +119,6 @@ def short_attention_forward(
             .view(t.shape[1], n, longest, t.shape[3]).transpose(0, 1)
             for t in (query, key, value)
         )  # fmt: skip
-        causal = torch.ones(longest, longest, dtype=torch.bool, device=query.device).tril()
-        mask = causal & own[:, None, None, :]  # [n, 1, L, L]: the places past an example's end attend, and are dropped
         out, _ = _attend(module, q, k, v, mask, dropout, scaling, is_causal)  # [n, L, heads, D]
         return out.view(n * longest, *out.shape[2:]).index_select(0, place).unsqueeze(0), None  # [1, T, heads, D]
     return _attend(module, query, key, value, attention_mask, dropout, scaling, is_causal)

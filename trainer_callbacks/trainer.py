@@ -99,7 +99,7 @@ class PactTrainer(Trainer):
         self.mapped_weights: dict | None = None  # after train() with memory savers: `_mapped_weights_metrics()`
         self.fused_cpu_ops = None  # optimum_pact.fusion.FusedCpuOps, set by train() with pact_fuse_cpu_ops
         self.padding_free_collator: PaddingFreeCollator | None = None  # training batches, with pact_padding_free
-        self._pact_parameter_count: tuple | None = None  # (model, its parameter count): `floating_point_ops`
+        self._pact_parameter_count: int | None = None  # the model's, for `floating_point_ops`; reset by train()
         if isinstance(self.args, PactTrainingArguments):
             if self.args.pact_padding_free:
                 self.padding_free_collator = self._padding_free_collator()
@@ -181,10 +181,9 @@ class PactTrainer(Trainer):
         main_input = getattr(self.model, "main_input_name", "input_ids")
         if main_input not in inputs or not hasattr(self.model, "num_parameters"):
             return super().floating_point_ops(inputs)
-        counted = self._pact_parameter_count
-        if counted is None or counted[0] is not self.model:
-            counted = self._pact_parameter_count = (self.model, self.model.num_parameters(exclude_embeddings=True))
-        return 6 * inputs[main_input].numel() * counted[1]
+        if self._pact_parameter_count is None:
+            self._pact_parameter_count = self.model.num_parameters(exclude_embeddings=True)
+        return 6 * inputs[main_input].numel() * self._pact_parameter_count
 
     def callback(self, kind: type) -> TrainerCallback | None:
         """The registered callback of type `kind`, or None (looked up each time: a resume may replace it)."""
