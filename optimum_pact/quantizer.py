@@ -71,7 +71,7 @@ def _loaded_by_transformers(tensor: torch.Tensor) -> bool:
 
 
 QUANT_METHOD = "pact"
-_FIELDS = ("backend", "backend_options", "modules_to_not_convert")
+_FIELDS = ("backend", "backend_options", "modules_to_not_convert", "modules_in_16bit")
 _LOADING_FIELDS = ("backend", "backend_options")  # what a reload may change: how layers compute, not what they hold
 # safetensors' names of the dtypes a FrozenLinear holds
 _SAFETENSORS_DTYPES = {
@@ -94,6 +94,9 @@ class PactQuantizationConfig(QuantizationConfigMixin):
             dequantized at a time) or `{"soc_model": "69"}` (qnn).
         modules_to_not_convert: module-name patterns kept in full precision, in addition to `lm_head` (a name, a
             dotted prefix such as `"model.layers.0"`, a regex, or a suffix such as `"mlp.down_proj"`).
+        modules_in_16bit: exact names of linears held 16-bit as `FrozenLinear(precision="fp16")` (the same
+            backend products, no dequantization): the layers an adapter was trained with 16-bit (AQLoRA's protected
+            linears, a precision plan's fp16 ones), rebuilt from the original weights as training built them.
     """
 
     def __init__(
@@ -101,6 +104,7 @@ class PactQuantizationConfig(QuantizationConfigMixin):
         backend: str = "torch",
         backend_options: dict | None = None,
         modules_to_not_convert: list[str] | None = None,
+        modules_in_16bit: list[str] | None = None,
         **kwargs: Any,
     ):
         quant_method = kwargs.pop("quant_method", QUANT_METHOD)
@@ -123,6 +127,8 @@ class PactQuantizationConfig(QuantizationConfigMixin):
         self.backend_options = backend_options
         skip = modules_to_not_convert
         self.modules_to_not_convert = list(skip) if isinstance(skip, tuple) else skip
+        dense = modules_in_16bit
+        self.modules_in_16bit = sorted(dense) if isinstance(dense, (tuple, set, frozenset)) else dense
         self.post_init()
 
     def post_init(self) -> None:
@@ -134,6 +140,18 @@ class PactQuantizationConfig(QuantizationConfigMixin):
                 f"PactQuantizationConfig.modules_to_not_convert={skip!r} is invalid; pass None or a list of "
                 "module-name strings, e.g. ['lm_head', 'mlp.down_proj']."
             )
+        dense = self.modules_in_16bit
+        if dense is not None and (not isinstance(dense, list) or not all(isinstance(name, str) for name in dense)):
+            raise ValueError(
+                f"PactQuantizationConfig.modules_in_16bit={dense!r} is invalid; pass None or a list of module names, "
+                "e.g. ['model.layers.0.mlp.down_proj'] (an adapter's PactConfig.sixteen_bit_modules())."
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        if out.get("modules_in_16bit") is None:  # all NVFP4: config.json as optimum-pact 0.1 wrote it
+            out.pop("modules_in_16bit", None)
+        return out
 
     def get_loading_attributes(self) -> dict[str, Any]:
         """The fields that `from_pretrained(pact_checkpoint, quantization_config=self)` applies over the saved ones:
@@ -145,18 +163,11 @@ def merge_pact_configs(saved: PactQuantizationConfig, passed: PactQuantizationCo
     """The config a saved pact checkpoint loads with when `from_pretrained` also got `quantization_config=passed`:
     the saved layout with the passed runtime options (`passed.get_loading_attributes()`: backend, backend_options).
 
-    A passed `modules_to_not_convert` (not None) naming other modules than the saved one is a ValueError: the
-    checkpoint holds those layers packed or not, and loading cannot change that.
+    A passed `modules_to_not_convert` or `modules_in_16bit` (not None) naming other modules than the saved one is a
+    ValueError: the checkpoint holds those layers packed or not, and loading cannot change that.
     """
-    requested, kept = passed.modules_to_not_convert, saved.modules_to_not_convert
-    if requested is not None and set(requested) != set(kept or []):
-        raise ValueError(
-            f"from_pretrained got PactQuantizationConfig(modules_to_not_convert={requested!r}) for a pact "
-            f"checkpoint saved with modules_to_not_convert={kept!r}. Which layers a checkpoint holds in NVFP4 is "
-            "fixed when it is saved, so loading cannot change it: pass modules_to_not_convert=None (or the saved "
-            "list) to load it, or quantize the full-precision checkpoint again with the new list. backend and "
-            "backend_options may change at load."
-        )
+    for name in ("modules_to_not_convert", "modules_in_16bit"):
+        _check_layout_unchanged(name, getattr(saved, name), getattr(passed, name))
     merged = PactQuantizationConfig(**{**saved.to_dict(), **passed.get_loading_attributes()})
     changed = {
         name: getattr(merged, name) for name in _LOADING_FIELDS if getattr(merged, name) != getattr(saved, name)
@@ -164,6 +175,17 @@ def merge_pact_configs(saved: PactQuantizationConfig, passed: PactQuantizationCo
     if changed:
         logger.info("optimum-pact: loading the pact checkpoint with the passed %s (saved: %s).", changed, saved)
     return merged
+
+
+def _check_layout_unchanged(name: str, kept: list[str] | None, requested: list[str] | None) -> None:
+    """A passed layout field (`modules_to_not_convert`, `modules_in_16bit`) must be None or the saved one."""
+    if requested is not None and set(requested) != set(kept or []):
+        raise ValueError(
+            f"from_pretrained got PactQuantizationConfig({name}={requested!r}) for a pact checkpoint saved with "
+            f"{name}={kept!r}. Which layers a checkpoint holds in NVFP4 is fixed when it is saved, so loading cannot "
+            f"change it: pass {name}=None (or the saved list) to load it, or quantize the full-precision checkpoint "
+            "again with the new list. backend and backend_options may change at load."
+        )
 
 
 _current_merge = AutoHfQuantizer.merge_quantization_configs.__func__
@@ -203,6 +225,9 @@ class PactQuantize(ConversionOps):
             if name != "weight" or not isinstance(module, FrozenLinear):
                 output[key] = tensor
                 continue
+            if module.precision == "fp16":  # held 16-bit: cast as `FrozenLinear.from_linear` copies it
+                output[key] = tensor.detach().to(module.weight.dtype)
+                continue
             packed = quantize(tensor.detach())  # the same call `FrozenLinear.from_linear` makes: bit-identical
             stem = f"{prefix}." if prefix else ""
             output[key] = packed.qdata
@@ -221,23 +246,36 @@ def _module_of(path: str, modules: dict[str, nn.Module], prefix: str) -> str | N
 
 
 def replace_with_frozen_linear(
-    model: nn.Module, backend: Backend, modules_to_not_convert: list[str] | None = None
+    model: nn.Module,
+    backend: Backend,
+    modules_to_not_convert: list[str] | None = None,
+    modules_in_16bit: list[str] | None = None,
 ) -> tuple[list[str], list[str]]:
-    """Swap each plain `nn.Linear` of `model` (outside `modules_to_not_convert`) for an empty `FrozenLinear`.
+    """Swap each plain `nn.Linear` of `model` (outside `modules_to_not_convert`) for an empty `FrozenLinear`, NVFP4,
+    or 16-bit for the names in `modules_in_16bit`.
 
     Runs on the meta-device skeleton before loading: the new layers keep the old device and bias dtype, hold no
     weight yet and all share `backend`. Returns `(converted, skipped)`: skipped layers have `in_features % 16 != 0`
-    and stay `nn.Linear`. Only exact `nn.Linear` instances are swapped; subclasses may compute something else.
+    and stay `nn.Linear`. Only exact `nn.Linear` instances are swapped; subclasses may compute something else. A
+    name in `modules_in_16bit` that is not such a linear is a ValueError (the adapter was trained on another model).
     """
     converted, skipped = [], []
+    dense = set(modules_in_16bit or ())
     for name, module in list(model.named_modules()):
         if type(module) is not nn.Linear or not should_convert_module(name, modules_to_not_convert):
             continue
         if module.in_features % BLOCK_SIZE:
             skipped.append(f"{name} (in_features={module.in_features})")
             continue
-        model.set_submodule(name, FrozenLinear.empty_like(module, backend=backend))
+        precision = "fp16" if name in dense else "nvfp4"
+        model.set_submodule(name, FrozenLinear.empty_like(module, backend=backend, precision=precision))
         converted.append(name)
+    unknown = sorted(dense - set(converted))
+    if unknown:
+        raise ValueError(
+            f"PactQuantizationConfig.modules_in_16bit names {len(unknown)} module(s) that are not linears PACT puts "
+            f"on its base in this model: {unknown[:3]}. Load the base the adapter was trained on."
+        )
     return converted, skipped
 
 
@@ -275,7 +313,9 @@ class PactHfQuantizer(HfQuantizer):
         )
         if self.backend is None:
             self.backend = get_backend(config.backend, **(config.backend_options or {}))
-        self.converted, self.skipped = replace_with_frozen_linear(model, self.backend, self.modules_to_not_convert)
+        self.converted, self.skipped = replace_with_frozen_linear(
+            model, self.backend, self.modules_to_not_convert, config.modules_in_16bit
+        )
         if self.skipped:
             logger.warning(
                 "optimum-pact: leaving %d linear layer(s) unquantized because NVFP4 needs in_features to be a "
@@ -378,7 +418,10 @@ class PactHfQuantizer(HfQuantizer):
             # the loader wraps a loaded bias in a fresh Parameter that requires grad: frozen means frozen
             if layer.bias is not None:
                 layer.bias.requires_grad_(False)
-            layer.load_nvfp4(layer.nvfp4)  # drops any backend handle
+            if layer.precision == "nvfp4":
+                layer.load_nvfp4(layer.nvfp4)  # drops any backend handle
+            else:
+                layer.release_handle()
         return model
 
     def get_quantize_ops(self) -> PactQuantize:

@@ -55,6 +55,13 @@ class PactConfig(LoraConfig, PactOptions):
         default=None,
         metadata={"help": "The linears AQLoRA kept 16-bit (written by get_peft_model; reused when given)."},
     )
+    base_dtype: str | None = field(
+        default=None,
+        metadata={
+            "help": "The dtype of the base weights the frozen linears were built from (written by get_peft_model): "
+            "the NVFP4 codes and the 16-bit linears depend on it, so the adapter's users load the base in it."
+        },
+    )
 
     def __post_init__(self):
         LoraConfig.__post_init__(self)
@@ -64,6 +71,12 @@ class PactConfig(LoraConfig, PactOptions):
         # peft's documented hook for custom LoRA layers (`LoraConfig._register_custom_module`, private):
         # every targeted nn.Linear / FrozenLinear goes through `dispatch_pact`. Tested in tests/test_peft_ext.py.
         self._register_custom_module({nn.Linear: dispatch_pact, FrozenLinear: dispatch_pact})
+
+    def sixteen_bit_modules(self) -> list[str]:
+        """The targeted linears this adapter was trained with 16-bit (AQLoRA's protected ones, the precision plan's
+        fp16 ones): every use of the adapter holds them 16-bit too, from the original weights."""
+        plan = {name for name, precision in (self.precision_plan or {}).items() if precision == "fp16"}
+        return sorted(plan | set(self.protected_modules or ()))
 
     def get_backend(self) -> Backend:
         """The one backend instance of the model this config builds, made on first use and then shared by every

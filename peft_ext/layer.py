@@ -121,8 +121,10 @@ def dispatch_pact(target: nn.Module, adapter_name: str, config, **kwargs) -> Pac
     """
     base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
     name = kwargs.get("target_name") or type(base).__name__
-    precision = (config.precision_plan or {}).get(name, "nvfp4")
+    protected = getattr(config, "protected_modules", None) or ()
+    precision = "fp16" if name in protected else (config.precision_plan or {}).get(name, "nvfp4")
     if isinstance(base, nn.Linear):
+        config.base_dtype = str(base.weight.dtype).removeprefix("torch.")  # what the frozen weights are built from
         if base.in_features % 16:
             logger.warning(
                 "PACT leaves %s unquantized: in_features=%d is not a multiple of 16 (NVFP4 block size).",
@@ -140,7 +142,7 @@ def dispatch_pact(target: nn.Module, adapter_name: str, config, **kwargs) -> Pac
         base = FrozenLinear.from_linear(base, backend=config.get_backend(), precision=precision)
     elif isinstance(base, FrozenLinear) and base.precision != precision:
         raise ValueError(
-            f"PactConfig.precision_plan keeps {name} in {precision}, but the model was loaded with it already "
-            f"{base.precision}. Load the unquantized base model, or drop the layer from the plan."
+            f"PactConfig keeps {name} in {precision} (precision_plan, protected_modules), but the model was loaded "
+            f"with it already {base.precision}. Load the unquantized base model, or drop the layer from the plan."
         )
     return PactLoraLinear(base, adapter_name, config=config, **kwargs)

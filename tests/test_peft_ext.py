@@ -52,7 +52,7 @@ def test_saved_adapter_loads_in_stock_peft_on_unquantized_base(tmp_path, arch):
     adapter_config = json.loads((tmp_path / "adapter_config.json").read_text())
     assert adapter_config["peft_type"] == "LORA" and "backend" not in adapter_config
     pact = json.loads((tmp_path / PACT_CONFIG_NAME).read_text())
-    assert pact == PactConfig(backend_options={"tile_size": 32}).pact_dict()
+    assert pact == PactConfig(backend_options={"tile_size": 32}, base_dtype="float32").pact_dict()
     assert pact["backend"] == "torch" and pact["backend_options"] == {"tile_size": 32}
 
     stock = PeftModel.from_pretrained(tiny_model(arch), tmp_path)

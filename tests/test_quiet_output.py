@@ -1,14 +1,17 @@
-"""`pact` prints nothing of third-party libraries' (issue 40): the installed command, run the way a user runs it.
+"""`pact` prints no warnings, ours or a library's (issues 40, 49): the installed command, run as a user runs it.
 
 Every extra installed (torchao, bitsandbytes, ...), in a fresh folder, as a subprocess: any line with a warning or a
-"Failed to load" fails the test, whoever printed it. Our own progress bars, summary and `[optimum-pact]` lines have
-none of these words.
+"Failed to load", in any case ("WARNING optimum_pact...: " from a logger too), fails the test, whoever printed it.
+transformers' own handler prints a bare message with no level; the command runs with that handler's explicit format
+on (`[WARNING|file:line]`, its own switch), so such a message shows its level here and is caught too. Our progress
+bars, summary and `[optimum-pact]` lines have none of these words.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -19,7 +22,12 @@ import pytest
 from optimum_pact.commands.noise import KNOWN_LOG_MESSAGES, quiet_third_party
 
 PACT = Path(sys.executable).with_name("pact")  # the console script pip installed next to this interpreter
-NOISE = ("Warning", "warning:", "Failed to load", "FutureWarning")
+NOISE = re.compile(r"warn|failed to load", re.IGNORECASE)
+# what the console script runs, with transformers' handler labelling its bare messages ([WARNING|file:line] ...)
+LABELLED = (
+    "import sys; from transformers.utils import logging; logging.enable_explicit_format(); "
+    "from optimum_pact.commands.cli import main; sys.exit(main())"
+)
 TINY_DATA = "\n".join(
     f'{{"text": "{text}", "label": "{label}", "split": "{split}"}}'
     for text, label, split in [("buy milk", "errand", "train"), ("call mum", "kin", "train"),
@@ -31,8 +39,9 @@ def pact(*args, cwd: Path, stdin: str = "") -> subprocess.CompletedProcess:
     if not PACT.is_file():
         pytest.skip(f"needs the installed `pact` console script ({PACT}): pip install -e .")
     env = {k: v for k, v in os.environ.items() if k not in ("CI", "PYTHONWARNINGS")}  # a user's shell, CI or not
+    command = [sys.executable, "-c", LABELLED] if args[0] != "--help" else [str(PACT)]
     proc = subprocess.run(
-        [str(PACT), *map(str, args)], cwd=cwd, env=env, input=stdin, capture_output=True, text=True, timeout=900
+        [*command, *map(str, args)], cwd=cwd, env=env, input=stdin, capture_output=True, text=True, timeout=900
     )
     assert proc.returncode == 0, f"pact {' '.join(map(str, args))} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
     return proc
@@ -40,7 +49,20 @@ def pact(*args, cwd: Path, stdin: str = "") -> subprocess.CompletedProcess:
 
 def noise(proc: subprocess.CompletedProcess) -> list[str]:
     """The lines (tqdm's \\r-separated updates counted apart) that are a third party's warning, not ours."""
-    return [line for line in (proc.stdout + proc.stderr).splitlines() if any(word in line for word in NOISE)]
+    return [line for text in (proc.stdout, proc.stderr) for line in text.splitlines() if NOISE.search(line)]
+
+
+def test_noise_is_caught_in_every_form_it_takes():
+    printed = [
+        "WARNING optimum_pact.commands.modeling: run/adapter was trained with some linears 16-bit",  # our logger
+        "[WARNING|modeling_utils.py:123] 2026-12-06 >> Setting `pad_token_id` to `eos_token_id`",  # transformers
+        "/venv/peft/peft_model.py:642: UserWarning: Found missing adapter keys",  # warnings.warn
+        "Failed to load CPU gemm_4bit_forward from kernels-community",  # bitsandbytes
+        "[optimum-pact] exporting run/adapter once for llama.cpp",  # ours, not noise
+        "kin",
+    ]
+    proc = subprocess.CompletedProcess([], 0, stdout="\n".join(printed[:2]), stderr="\n".join(printed[2:]))
+    assert noise(proc) == printed[:4]
 
 
 @pytest.fixture(scope="module")

@@ -2,9 +2,10 @@
 
     pact export --adapter my-run/adapter --format merged-bf16 --output my-model
 
-`merged-bf16`: a plain transformers folder (safetensors + tokenizer) whose weights are the NVFP4 base the adapter was
-trained on, dequantized, with the adapter merged in by peft's `merge_and_unload`: what the adapter computed in
-training, loadable by `AutoModelForCausalLM.from_pretrained` anywhere.
+`merged-bf16`: a plain transformers folder (safetensors + tokenizer) whose weights are the base the adapter was
+trained on (NVFP4 dequantized, its 16-bit linears as they were), with the adapter merged in by peft's
+`merge_and_unload`: what the adapter computed in training, loadable by `AutoModelForCausalLM.from_pretrained`
+anywhere.
 
 `gguf-lora`: the adapter alone as a llama.cpp LoRA GGUF, for the base GGUF a phone already has (`gguf_lora.py`);
 `--base-gguf` checks first that a GGUF is that base.
@@ -29,6 +30,7 @@ from ..quantizer import PactQuantizationConfig
 from .gguf_export import EMBEDDINGS, export_gguf
 from .gguf_lora import export_gguf_lora
 from .model_folder import adapter_loading, check_paths, load_causal_lm, load_tokenizer, resolve_model, written_aside
+from .modeling import read_adapter_config
 from .nvfp4_merge import REQUANTIZE_FROM, export_nvfp4_merged
 
 FORMATS = ("merged-bf16", "gguf-lora", "nvfp4-merged", "gguf")
@@ -83,8 +85,10 @@ def export_merged(adapter: str | Path, output: str | Path, base: str | None = No
     """Write base (NVFP4, dequantized) + adapter merged as a plain transformers folder at `output`; returns it."""
     adapter, output = check_paths(adapter, output)
     path = resolve_model(base)
-    model = load_causal_lm(path, base, quantization_config=PactQuantizationConfig(), dtype=dtype)
-    model = model.dequantize(dtype=dtype)  # the effective weights the adapter was trained against
+    trained = read_adapter_config(adapter)  # the base as it was trained: its dtype, its 16-bit linears
+    quantization = PactQuantizationConfig(modules_in_16bit=trained.sixteen_bit_modules() or None)
+    model = load_causal_lm(path, base, quantization_config=quantization, dtype=trained.base_dtype or dtype)
+    model = model.dequantize(dtype=dtype).to(dtype)  # the effective weights the adapter was trained against
     tokenizer = load_tokenizer(path, base)
     with adapter_loading(adapter, path):
         config = LoraConfig.from_pretrained(str(adapter))

@@ -7,6 +7,7 @@ the Trainer). `pact finetune` parses its options (`arguments.py`) and calls `fin
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import signal
 import sys
@@ -20,7 +21,7 @@ from transformers import DataCollatorForSeq2Seq
 
 from trainer_callbacks import PactTrainer, TrainingInterrupted
 from trainer_callbacks.lock import OutputDirLock
-from trainer_callbacks.resources import peak_rss_bytes
+from trainer_callbacks.resources import peak_rss_bytes, process_seconds
 from trainer_callbacks.trainer import attention_implementation, supports_padding_free
 
 from ..dataflow import FrozenLinear
@@ -33,6 +34,7 @@ from .data.generative import builtin_data, file_format, load_generative_dataset,
 from .data.trained_on import TrainedOn
 from .evaluation import accuracy, answer, classify, heldout_loss
 from .model_folder import RUN_AGAIN, load_causal_lm, load_tokenizer, resolve_model, written_aside
+from .modeling import PactModelForCausalLM
 from .summary import FinetuneSummary, write_card
 
 
@@ -86,6 +88,7 @@ def finetune(run: FinetuneRun) -> FinetuneSummary:
 
 
 def _finetune(run: FinetuneRun) -> FinetuneSummary:
+    began = time.perf_counter()
     job, config, args = run.job, run.config, run.args
     form, train_items, heldout_items = load_data(job.data)  # validate the data before any slow work
     backend = config.get_backend()  # the model's one backend: a qnn that cannot start fails here, before loading
@@ -153,7 +156,6 @@ def _finetune(run: FinetuneRun) -> FinetuneSummary:
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     session_steps = result.global_step - (resumable.resumed_from_step if resumable is not None else 0)
 
-    after = held_out.measure(peft_model)
     adapter_dir = Path(job.output) / "adapter"
     extra = None
     if job.background:
@@ -161,40 +163,52 @@ def _finetune(run: FinetuneRun) -> FinetuneSummary:
         for callback in (trainer.pacer, resumable):
             if callback is not None:
                 extra.update(callback.metrics())
-    summary = FinetuneSummary(
-        model=model_path,
-        train_items=len(train_items),
-        heldout_items=len(heldout_items),
-        accuracy_before=before.get("accuracy"),
-        accuracy_after=after.get("accuracy"),
-        data_format=form,
-        loss_before=before.get("loss"),
-        loss_after=after.get("loss"),
-        example_prompt=held_out.example_text,
-        answer_before=before["answer"],
-        answer_after=after["answer"],
-        final_loss=losses[-1] if losses else result.training_loss,
-        steps=result.global_step,
-        steps_per_second=session_steps / train_seconds,
-        train_seconds=train_seconds,
-        peak_rss_gib=peak_rss_bytes() / 2**30,
-        frozen_linears=len(frozen),
-        backend=backend.name + (f" (auto: {backend.reason})" if backend.requested == "auto" else ""),
-        products=products,
-        fp16_linears=sum(m.precision == "fp16" for m in frozen),
-        memory_saver=args.pact_memory_saver,
-        guarded_rows=guarded_rows,
-        adapter_dir=str(adapter_dir),
-        background=extra,
-        dtype=str(dtype).removeprefix("torch."),
-        fused_compile_s=trainer.fused_cpu_ops.compile_seconds() if trainer.fused_cpu_ops is not None else None,
-        **(trainer.mapped_weights or {}),
-    )
+    counts = {"frozen_linears": len(frozen), "fp16_linears": sum(m.precision == "fp16" for m in frozen)}
+    compile_s = trainer.fused_cpu_ops.compile_seconds() if trainer.fused_cpu_ops is not None else None
+    mapped = trainer.mapped_weights or {}
     # written aside and swapped in whole: a failed save (a full disk) leaves an earlier run's adapter as it was
     adapter_bytes = sum(p.numel() * p.element_size() for p in peft_model.parameters() if p.requires_grad)
     with written_aside(adapter_dir, replace=True, needs=adapter_bytes + (64 << 10), fix=again) as tmp:
         peft_model.save_pretrained(str(tmp))
         TrainedOn.of(form, train_items).save(tmp)
+        # what the person is shown is the saved adapter as every use of it loads it (PactModelForCausalLM: the base
+        # rebuilt from the original weights with the adapter's own 16-bit linears), not the training-time object
+        del trainer, peft_model, base, frozen
+        gc.collect()
+        used = PactModelForCausalLM.from_pretrained(
+            job.model, adapter=str(tmp), backend=config.backend, backend_options=config.backend_options, dtype=dtype
+        )
+        after = held_out.measure(used.model)
+        del used
+        summary = FinetuneSummary(
+            model=model_path,
+            train_items=len(train_items),
+            heldout_items=len(heldout_items),
+            accuracy_before=before.get("accuracy"),
+            accuracy_after=after.get("accuracy"),
+            data_format=form,
+            loss_before=before.get("loss"),
+            loss_after=after.get("loss"),
+            example_prompt=held_out.example_text,
+            answer_before=before["answer"],
+            answer_after=after["answer"],
+            final_loss=losses[-1] if losses else result.training_loss,
+            steps=result.global_step,
+            steps_per_second=session_steps / train_seconds,
+            train_seconds=train_seconds,
+            wall_seconds=process_seconds() or time.perf_counter() - began,
+            peak_rss_gib=peak_rss_bytes() / 2**30,
+            backend=backend.name + (f" (auto: {backend.reason})" if backend.requested == "auto" else ""),
+            products=products,
+            memory_saver=args.pact_memory_saver,
+            guarded_rows=guarded_rows,
+            adapter_dir=str(adapter_dir),
+            background=extra,
+            dtype=str(dtype).removeprefix("torch."),
+            fused_compile_s=compile_s,
+            **counts,
+            **mapped,
+        )
         write_card(tmp, job.model, config, args, summary)
     text = json.dumps(summary.to_dict(), indent=2) + "\n"
     try:

@@ -31,6 +31,7 @@ from ..precision import resolve_dtype
 from ..quantizer import PactQuantizationConfig
 from .gguf_lora import ARCHITECTURES, PERMUTED, TENSOR_NAMES, write_gguf_file
 from .model_folder import check_adapter_folder, load_causal_lm, load_tokenizer, resolve_model
+from .modeling import read_adapter_config
 from .nvfp4_merge import export_nvfp4_merged, save_merged, save_nvfp4_folder
 
 logger = logging.getLogger(__name__)
@@ -81,8 +82,10 @@ def export_gguf(
     with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}-model-") as tmp:
         folder = Path(tmp) / "model"
         if not merge:
-            dtype = resolve_dtype("auto")  # the dtype training quantized the base from
-            model = load_causal_lm(path, base, quantization_config=PactQuantizationConfig(), dtype=dtype)
+            trained = read_adapter_config(adapter)  # the base as the adapter was trained on it
+            dtype = resolve_dtype(trained.base_dtype or "auto")  # the dtype training quantized the base from
+            quantization = PactQuantizationConfig(modules_in_16bit=trained.sixteen_bit_modules() or None)
+            model = load_causal_lm(path, base, quantization_config=quantization, dtype=dtype)
             folder.mkdir()
             save_nvfp4_folder(model, load_tokenizer(path, base), folder)
             del model

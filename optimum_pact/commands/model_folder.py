@@ -13,8 +13,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 import transformers
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
@@ -139,6 +140,27 @@ def load_tokenizer(path: str, given: str | None):
         ) from err
 
 
+def original_weights(folder: str | Path, names: list[str]) -> dict[str, torch.Tensor]:
+    """The full-precision `<name>.weight` of each linear in `names`, read from the checkpoint's safetensors in
+    `folder` as stored (one tensor at a time). A name the checkpoint lacks, or holds packed (a saved NVFP4
+    checkpoint), is a ValueError naming it."""
+    wanted = {f"{name}.weight": name for name in names}
+    found: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as reader:
+            for key in reader.keys():
+                if key in wanted:
+                    found[wanted[key]] = reader.get_tensor(key)
+    missing = [name for name in names if name not in found]
+    packed = [name for name, tensor in found.items() if tensor.dtype == torch.uint8]
+    if missing or packed:
+        raise ValueError(
+            f"{folder} holds {'no' if missing else 'packed (NVFP4)'} weights for {(missing or packed)[0]}, and this "
+            "needs the base's full-precision checkpoint (a folder of safetensors)"
+        )
+    return found
+
+
 def check_adapter_folder(adapter: str | Path) -> Path:
     """`adapter` as a Path, if it is an adapter folder that reads back: adapter_config.json holds a JSON object and
     the weights are there and whole. Otherwise FileNotFoundError (missing) or ValueError (damaged), naming the
@@ -228,6 +250,7 @@ __all__ = [
     "check_paths",
     "load_causal_lm",
     "load_tokenizer",
+    "original_weights",
     "resolve_model",
     "written_aside",
 ]

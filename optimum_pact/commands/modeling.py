@@ -19,9 +19,10 @@ from peft_ext import PactConfig
 
 from ..dataflow import FrozenLinear
 from ..precision import resolve_dtype
-from ..quantizer import PactQuantizationConfig
+from ..quantizer import QUANT_METHOD, PactQuantizationConfig
 from .data import format_example
 from .data.trained_on import TrainedOn
+from .layer_precisions import LayerPrecisions
 from .model_folder import adapter_loading, check_adapter_folder, load_causal_lm, load_tokenizer, resolve_model
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class PactModelForCausalLM:
         if not frozen:
             raise ValueError(f"{base_path}: no linear layer was put on the NVFP4 base; is it a causal LM?")
         self.backend = frozen[0].backend
+        self.precisions = LayerPrecisions(base_path, model)
 
     @classmethod
     def from_pretrained(
@@ -53,45 +55,63 @@ class PactModelForCausalLM:
     ) -> PactModelForCausalLM:
         """Load `base` (a model folder or Hub id; None: the default model) on the NVFP4 base with `backend`, then
         `adapter`: a folder, or {name: folder} for several (the first is active). A missing or damaged folder is
-        an error naming it (FileNotFoundError, ValueError), raised before the base is loaded where it can be."""
+        an error naming it (FileNotFoundError, ValueError), raised before the base is loaded where it can be.
+
+        What was trained is what runs: the base is built as the first adapter was trained on it, in the dtype its
+        frozen weights were built from (`dtype="auto"`; for an adapter that does not record it, bf16) and with its
+        16-bit linears 16-bit (`PactConfig.sixteen_bit_modules`). Another adapter gets its own 16-bit set when it is
+        active (`set_adapter`)."""
         path = resolve_model(base)
         adapters = {"default": adapter} if isinstance(adapter, (str, Path)) else dict(adapter or {})
-        for folder in adapters.values():
-            check_adapter_folder(folder)
+        configs = {name: read_adapter_config(folder) for name, folder in adapters.items()}
+        first = next(iter(configs.values()), None)
+        if dtype == "auto" and first is not None and first.base_dtype is not None:
+            dtype = first.base_dtype
         dtype = resolve_dtype(dtype, inference=True)  # "auto": bf16 (see resolve_dtype)
-        quantization = PactQuantizationConfig(backend=backend, backend_options=backend_options)
+        dense = first.sixteen_bit_modules() if first is not None else []
+        if dense and _packed_checkpoint(path):
+            logger.warning(
+                "%s is a saved NVFP4 checkpoint, which holds no full-precision weights to rebuild the adapter's %d "
+                "16-bit linears from; they run NVFP4 here. Pass --model with the base the adapter was trained on.",
+                path,
+                len(dense),
+            )
+            dense = []
+        quantization = PactQuantizationConfig(
+            backend=backend, backend_options=backend_options, modules_in_16bit=dense or None
+        )
         model = load_causal_lm(path, base, quantization_config=quantization, dtype=dtype)
         model.eval()
         tokenizer = load_tokenizer(path, base)
         self = cls(model, tokenizer, path)
         for name, folder in adapters.items():
-            self.load_adapter(folder, name)
+            self.load_adapter(folder, name, config=configs[name])
         if adapters:
             self.set_adapter(next(iter(adapters)))
         return self
 
-    def load_adapter(self, folder: str | Path, name: str) -> None:
-        """Add the adapter saved in `folder` under `name` (peft's own machinery: the base is not copied or changed)."""
+    def load_adapter(self, folder: str | Path, name: str, config: PactConfig | None = None) -> None:
+        """Add the adapter saved in `folder` under `name` (peft's own machinery: the base is not copied or changed).
+        Its 16-bit linears are held 16-bit while it is active (`set_adapter`): a layer that another adapter needs
+        in the other format is kept both ways, the 16-bit copy read from the base's checkpoint."""
+        config = config if config is not None else read_adapter_config(folder)
         folder = str(check_adapter_folder(folder))
-        config = PactConfig.from_pretrained(folder, allow_missing_sidecar=True)
         self._check_base(folder, config)
         trained_on = TrainedOn.load(folder)
-        if config.precision_plan or config.protected_modules:
-            logger.warning(
-                "%s was trained with some linears 16-bit (precision plan / AQLoRA); they run on the NVFP4 base here.",
-                folder,
-            )
         config.inference_mode = True
         if isinstance(self.model, PeftModel) and name in self.model.peft_config:
             raise ValueError(f"an adapter named {name!r} is loaded already; pick another name")
+        self.precisions.add(name, config.sixteen_bit_modules())
         with adapter_loading(folder, self.base_path):
             if isinstance(self.model, PeftModel):
                 self.model.add_adapter(name, config)
                 self.model.load_adapter(folder, adapter_name=name)
             else:
+                self.precisions.apply(self.model, name)  # the base in this adapter's formats before peft wraps it
                 self.model = PeftModel.from_pretrained(self.model, folder, adapter_name=name, config=config)
         self.model.eval()
         self.trained_on[name] = trained_on
+        self.precisions.apply(self.model, self.model.active_adapter)  # peft keeps the active adapter active
 
     def _check_base(self, folder: str, config: PactConfig) -> None:
         trained_on = config.base_model_name_or_path
@@ -119,6 +139,7 @@ class PactModelForCausalLM:
         if name not in self.adapters:
             raise ValueError(f"no adapter named {name!r}; loaded: {self.adapters or 'none'}")
         self.model.set_adapter(name)
+        self.precisions.apply(self.model, name)
 
     def generate(self, *args, **kwargs):
         """transformers' `generate` on the model with the active adapter (greedy unless `do_sample=True`)."""
@@ -142,6 +163,21 @@ class PactModelForCausalLM:
 
     def context_length(self) -> int | None:
         return getattr(self.model.config, "max_position_embeddings", None)
+
+
+def read_adapter_config(folder: str | Path) -> PactConfig:
+    """The PactConfig of the adapter in `folder` (a plain peft LoRA adapter: PACT's defaults), the folder checked."""
+    folder = check_adapter_folder(folder)
+    return PactConfig.from_pretrained(str(folder), allow_missing_sidecar=True)
+
+
+def _packed_checkpoint(path: str) -> bool:
+    """Whether `path` is a saved PACT checkpoint (its linears already NVFP4), not a full-precision one."""
+    config = Path(path, "config.json")
+    if not config.is_file():
+        return False
+    quantization = json.loads(config.read_text()).get("quantization_config") or {}
+    return quantization.get("quant_method") == QUANT_METHOD
 
 
 def max_answer_tokens(tokenizer, record: TrainedOn | None) -> int | None:
@@ -173,4 +209,4 @@ def prompt_ids(tokenizer, record: TrainedOn | None, messages: list[dict] | str) 
     return out["input_ids"] if hasattr(out, "keys") else out
 
 
-__all__ = ["PactModelForCausalLM", "max_answer_tokens", "prompt_ids"]
+__all__ = ["PactModelForCausalLM", "max_answer_tokens", "prompt_ids", "read_adapter_config"]

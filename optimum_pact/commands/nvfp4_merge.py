@@ -11,6 +11,10 @@ Two ways are offered, and the export measures what each keeps:
 - `keep_16bit=FRACTION` on top of either: the linears whose rounding lost most of the delta stay bf16, holding
   `deq(Q(W)) + delta` exactly (listed in the config's `modules_to_not_convert`, so the folder reloads as saved).
 
+Linears the adapter was trained with 16-bit (AQLoRA's protected ones, a precision plan's fp16 ones) are never
+rounded to 4 bits: they stay 16-bit with the change merged exactly, listed the same way (and in ModelOpt's
+`exclude_modules`).
+
 The export then scores the base, the unmerged adapter and the merged folder as reloaded on the held-out items
 (accuracy, or loss for generative data), writes `merge_report.json` beside the weights and warns when the merge
 keeps less than 80% of the adapter's gain. ModelOpt's `hf_quant_config.json` goes beside config.json
@@ -25,18 +29,17 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq
 
 from peft_ext.layer import PactLoraLinear
 
 from .. import __version__
+from ..dataflow import FrozenLinear
 from ..errors import OptionError
 from ..nvfp4 import BLOCK_SIZE, NVFP4Tensor, quantize
-from ..precision import resolve_dtype
 from ..quantizer import PactQuantizationConfig
 from .finetune import HeldOut, load_data
-from .model_folder import check_paths, written_aside
+from .model_folder import check_paths, original_weights, written_aside
 from .modeling import PactModelForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -73,25 +76,16 @@ class MergeReport:
 
 
 def _original_weights(folder: Path, names: list[str]) -> dict[str, torch.Tensor]:
-    """The full-precision `<name>.weight` of each linear in `names`, read from the checkpoint's safetensors."""
-    files = sorted(folder.glob("*.safetensors"))
-    wanted = {f"{name}.weight": name for name in names}
-    found: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as reader:
-            for key in reader.keys():
-                if key in wanted:
-                    found[wanted[key]] = reader.get_tensor(key)
-    missing = [name for name in names if name not in found]
-    packed = [name for name, tensor in found.items() if tensor.dtype == torch.uint8]  # a saved NVFP4 checkpoint
-    if missing or packed:
+    """The full-precision weight of each linear in `names` (`original_weights`), as fp32; an OptionError naming
+    requantize_from when the base has none."""
+    try:
+        return {name: tensor.float() for name, tensor in original_weights(folder, names).items()}
+    except ValueError as err:
         raise OptionError(
             "requantize_from",
-            f"'original' needs the base's full-precision weights, but {folder} holds "
-            f"{'no' if missing else 'packed'} weights for {(missing or packed)[0]}; pass --requantize_from nvfp4, "
-            "or --model with the full-precision checkpoint",
-        )
-    return {name: tensor.float() for name, tensor in found.items()}
+            f"'original' needs the base's full-precision weights, but {err}; pass --requantize_from nvfp4, or "
+            "--model with the full-precision checkpoint",
+        ) from None
 
 
 def check_merge_options(requantize_from: str, keep_16bit: float) -> None:
@@ -113,7 +107,8 @@ def merged_weights(
     check_merge_options(requantize_from, keep_16bit)
     layers = {name.removeprefix("base_model.model."): m for name, m in pact.model.named_modules()}
     layers = {name: m for name, m in layers.items() if isinstance(m, PactLoraLinear)}
-    originals = _original_weights(Path(pact.base_path), list(layers)) if requantize_from == "original" else {}
+    packed = [name for name, m in layers.items() if m.get_base_layer().precision == "nvfp4"]
+    originals = _original_weights(Path(pact.base_path), packed) if requantize_from == "original" else {}
     adapter = pact.model.active_adapter
     merged, lost, dots, norm = {}, {}, {}, 0.0
 
@@ -125,11 +120,16 @@ def merged_weights(
         lost[name], dots[name] = float((change - delta).pow(2).sum()), float((change * delta).sum())
 
     for name, layer in layers.items():
-        trained = layer.get_base_layer().dequantize(torch.float32)  # the base the adapter was trained against
+        base = layer.get_base_layer()
+        trained = base.dequantize(torch.float32)  # the base the adapter was trained against
         delta = layer.get_delta_weight(adapter).float()
         norm += float(delta.pow(2).sum())
+        if base.precision != "nvfp4":  # trained 16-bit: stays 16-bit, the change merged exactly
+            held(name, trained + delta, trained, delta)
+            continue
         held(name, quantize(originals.pop(name, trained) + delta), trained, delta)
-    for name in sorted(lost, key=lost.get, reverse=True)[: round(keep_16bit * len(lost))]:
+    rounded = {name: value for name, value in lost.items() if isinstance(merged[name], NVFP4Tensor)}
+    for name in sorted(rounded, key=rounded.get, reverse=True)[: round(keep_16bit * len(lost))]:
         layer = layers[name]
         trained = layer.get_base_layer().dequantize(torch.float32)
         delta = layer.get_delta_weight(adapter).float()
@@ -153,9 +153,14 @@ def _merged_model(path: str, weights: dict[str, NVFP4Tensor | torch.Tensor], tor
 
 def modelopt_config(model) -> dict:
     """ModelOpt's `hf_quant_config.json` for a model on PACT's NVFP4 layers: weight-only NVFP4 (W4A16_NVFP4, blocks
-    of 16) with every linear left 16-bit (the output head, the kept ones) in `exclude_modules`, as vLLM and llama.cpp's
-    converter read it. config.json keeps PACT's own quantization_config, so transformers loads the folder as before."""
-    excluded = [name for name, module in model.named_modules() if type(module) is torch.nn.Linear]
+    of 16) with every linear left 16-bit (the output head, the kept ones, the 16-bit `FrozenLinear`s) in
+    `exclude_modules`, as vLLM and llama.cpp's converter read it. config.json keeps PACT's own quantization_config, so
+    transformers loads the folder as before."""
+    excluded = [
+        name
+        for name, module in model.named_modules()
+        if type(module) is torch.nn.Linear or (isinstance(module, FrozenLinear) and module.precision != "nvfp4")
+    ]
     return {
         "producer": {"name": "optimum-pact", "version": __version__},
         "quantization": {
@@ -186,8 +191,8 @@ def save_merged(
     the GGUF `pact generate --engine llama.cpp` keeps beside an adapter. Returns `output`."""
     adapter, output = check_paths(adapter, output)
     check_merge_options(requantize_from, keep_16bit)
-    torch_dtype = resolve_dtype(dtype)
-    pact = PactModelForCausalLM.from_pretrained(base, adapter=str(adapter), dtype=torch_dtype)
+    pact = PactModelForCausalLM.from_pretrained(base, adapter=str(adapter), dtype=dtype)
+    torch_dtype = pact.precisions.dtype
     weights, _ = merged_weights(pact, requantize_from, keep_16bit)
     path, tokenizer = pact.base_path, pact.tokenizer
     del pact
@@ -213,11 +218,11 @@ def export_nvfp4_merged(
     """Merge `adapter` into its NVFP4 base, save the result at `output` (ModelOpt layout, loadable with
     `AutoModelForCausalLM.from_pretrained(output)` once optimum_pact is imported) and report what the merge kept,
     scored on `data`'s held-out items (default: the main job's data). `dtype`: the one the adapter was trained in
-    (the NVFP4 base is quantized from the weights in that dtype; "auto" picks as `pact finetune` does)."""
+    (the NVFP4 base is quantized from the weights in that dtype; "auto": the one the adapter records)."""
     adapter, output = check_paths(adapter, output)
     check_merge_options(requantize_from, keep_16bit)
-    torch_dtype = resolve_dtype(dtype)
-    pact = PactModelForCausalLM.from_pretrained(base, adapter=str(adapter), dtype=torch_dtype)
+    pact = PactModelForCausalLM.from_pretrained(base, adapter=str(adapter), dtype=dtype)
+    torch_dtype = pact.precisions.dtype
     weights, delta_kept = merged_weights(pact, requantize_from, keep_16bit)
     kept = [name for name, weight in weights.items() if not isinstance(weight, NVFP4Tensor)]
     form, train, heldout = load_data(data)

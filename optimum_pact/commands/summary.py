@@ -41,6 +41,7 @@ class FinetuneSummary:
     fused_compile_s: float | None = None  # pact_fuse_cpu_ops: seconds spent compiling the fused CPU ops
     mapped_gib: float | None = None  # memory savers: frozen weights in a file mapping (part of the RSS when touched)
     mapped_resident_peak_gib: float | None = None  # ... the most of them seen resident at once (streamed)
+    wall_seconds: float | None = None  # the whole process so far: imports, loading, quantizing, training, scoring
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -69,6 +70,12 @@ class FinetuneSummary:
             return rate
         return f"{rate}; CPU ops fused, {self.fused_compile_s:.1f} s of it compiling"
 
+    def _wall(self) -> list[tuple[str, str]]:
+        if self.wall_seconds is None:
+            return []
+        what = "start to summary: loading, quantizing, training, scoring"
+        return [("whole command", f"{self.wall_seconds:.1f} s ({what})")]
+
     def _savers(self) -> str:
         return "" if self.memory_saver == "none" else f" (memory savers: {self.memory_saver})"
 
@@ -82,7 +89,8 @@ class FinetuneSummary:
 
     def _heldout(self) -> list[tuple[str, str]]:
         if self.data_format == "labelled":
-            return [("held-out accuracy", f"{self.accuracy_before:.1%} -> {self.accuracy_after:.1%}")]
+            used = " (base -> the saved adapter, as pact generate runs it)"
+            return [("held-out accuracy", f"{self.accuracy_before:.1%} -> {self.accuracy_after:.1%}{used}")]
         before, after = self.loss_before, self.loss_after
         return [
             ("held-out loss", f"{before:.4f} -> {after:.4f}"),
@@ -105,6 +113,7 @@ class FinetuneSummary:
             *self._heldout(),
             ("final training loss", f"{self.final_loss:.4f}"),
             ("steps", f"{self.steps} in {self.train_seconds:.1f} s ({self._rate()})"),
+            *self._wall(),
             ("peak memory (RSS)", f"{self.peak_rss_gib:.2f} GiB" + self._savers()),
             *self._mapped(),
             ("frozen linears", self._linears()),
