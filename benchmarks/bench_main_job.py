@@ -15,6 +15,14 @@ of `trainer.train()` (what pact's summary.json reports as train_seconds), held-o
 the end of the process; for pact_finetune the console command's own process). Ratios to peft_lora are paired by
 seed. Results (runs, summary, machine) go to --output after every run; the last line printed is JSON.
 
+The accuracy of the model as the person runs it (issue 49), beside the training-time one:
+  stock arms     the saved adapter merged by stock peft into the base it was trained on (merge_and_unload)
+  pact_finetune  its summary (the saved adapter as `pact generate` loads it), the same scored again here in another
+                 process through PactModelForCausalLM, and the `pact export --format gguf` file scored by llama.cpp
+                 (its size beside the all-NVFP4 GGUF of the same base)
+and for pact_finetune the whole command's wall time (start to exit: loading, ranking, quantizing, training, scoring,
+saving) beside train().
+
     python benchmarks/bench_main_job.py [--seeds 0 1 2 3 4] [--arms peft_lora,...] [--dtype bfloat16] [--resume]
     python benchmarks/bench_main_job.py --seeds 0 --max-steps 2 --output /tmp/mj_smoke.json    # smoke test
     python benchmarks/bench_main_job.py --table benchmarks/results/main_job/results.json       # markdown table
@@ -121,9 +129,18 @@ def run_trainer_arm(arm: str, seed: int, dtype_name: str, max_steps: int | None)
     texts, golds = [i["text"] for i in heldout_items], [i["label"] for i in heldout_items]
     acc = accuracy(classify(model, tokenizer, texts, labels), golds)
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    return {"arm": arm, "seed": seed, "train_s": train_s, "accuracy": acc, "steps": result.global_step,
-            "final_loss": losses[-1] if losses else result.training_loss,
-            "peak_rss_gib": status_bytes("VmHWM") / 2**30}  # fmt: skip
+    peak = status_bytes("VmHWM") / 2**30  # of training and its scoring; the merge below is after it
+    with tempfile.TemporaryDirectory() as tmp:  # as the person runs it: the saved adapter merged into its base
+        model.save_pretrained(tmp)
+        del model, trainer
+        from peft import PeftModel
+
+        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        merged = PeftModel.from_pretrained(base, tmp).merge_and_unload()
+        as_used = accuracy(classify(merged, tokenizer, texts, labels), golds)
+    return {"arm": arm, "seed": seed, "train_s": train_s, "accuracy": acc, "as_used_accuracy": as_used,
+            "steps": result.global_step, "final_loss": losses[-1] if losses else result.training_loss,
+            "peak_rss_gib": peak}  # fmt: skip
 
 
 def run_pact_finetune(
@@ -139,17 +156,62 @@ def run_pact_finetune(
         cmd += ["--max_steps", str(max_steps)] if max_steps else []
         cmd += ARM_FLAGS.get(arm, [])
         cmd += list(extra)
+        start = time.perf_counter()
         child = subprocess.Popen(cmd, stdout=sys.stderr)  # its summary text: beside the progress, not our JSON
         # wait4: this child's own rusage; RUSAGE_CHILDREN would be the largest of every child waited for so far
         _, status, usage = os.wait4(child.pid, 0)
+        wall_s = time.perf_counter() - start
         child.returncode = code = os.waitstatus_to_exitcode(status)
         if code:
             raise subprocess.CalledProcessError(code, cmd)
         summary = json.loads((Path(tmp) / "summary.json").read_text())
+        used = as_used(Path(tmp) / "adapter")
     peak = usage.ru_maxrss * 1024
-    return {"arm": arm, "seed": seed, "train_s": summary["train_seconds"],
+    return {"arm": arm, "seed": seed, "train_s": summary["train_seconds"], "wall_s": wall_s,
             "accuracy": summary["accuracy_after"], "steps": summary["steps"], "final_loss": summary["final_loss"],
-            "peak_rss_gib": peak / 2**30, "summary_peak_rss_gib": summary["peak_rss_gib"]}  # fmt: skip
+            "peak_rss_gib": peak / 2**30, "summary_peak_rss_gib": summary["peak_rss_gib"], **used}  # fmt: skip
+
+
+def as_used(adapter: Path) -> dict:
+    """A pact adapter as the person runs it: through PactModelForCausalLM (what `pact generate` loads, here in another
+    process than the one that trained it) and as the `pact export --format gguf` file in llama.cpp."""
+    import tempfile
+
+    from optimum_pact.commands.data import load_personal_dataset
+    from optimum_pact.commands.evaluation import accuracy, classify
+    from optimum_pact.commands.gguf_export import export_gguf
+    from optimum_pact.commands.llama_score import llama_cpp_accuracy
+    from optimum_pact.commands.modeling import PactModelForCausalLM
+
+    train_items, heldout_items = load_personal_dataset()
+    labels = sorted({item["label"] for item in train_items + heldout_items})
+    texts, golds = [i["text"] for i in heldout_items], [i["label"] for i in heldout_items]
+    model = PactModelForCausalLM.from_pretrained(adapter=str(adapter))
+    use_path = accuracy(classify(model.model, model.tokenizer, texts, labels), golds)
+    tokenizer = model.tokenizer
+    del model
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf = export_gguf(adapter, Path(tmp) / "model.gguf", score=False)
+        gguf_accuracy = llama_cpp_accuracy(gguf, tokenizer, heldout_items, labels)
+        return {"as_used_accuracy": use_path, "gguf_accuracy": gguf_accuracy, "gguf_bytes": gguf.stat().st_size}
+
+
+def all_nvfp4_gguf_bytes() -> int:
+    """The size of the default model's GGUF with every linear NVFP4 (what a protection-free adapter merges into)."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from optimum_pact.commands.gguf_export import write_gguf
+    from optimum_pact.commands.model_folder import resolve_model
+    from optimum_pact.commands.nvfp4_merge import save_nvfp4_folder
+    from optimum_pact.quantizer import PactQuantizationConfig
+
+    path = resolve_model(None)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = AutoModelForCausalLM.from_pretrained(path, quantization_config=PactQuantizationConfig())
+        save_nvfp4_folder(model, AutoTokenizer.from_pretrained(path), Path(tmp) / "model")
+        return write_gguf(Path(tmp) / "model", Path(tmp) / "model.gguf").stat().st_size
 
 
 # ---- the parent: runs, summary, table ----
@@ -172,6 +234,13 @@ def summarize(runs: list[dict]) -> dict:
                  "train_s": statistics.median(r["train_s"] for r in mine),
                  "accuracy_pct": mean_se([100 * r["accuracy"] for r in mine]),
                  "peak_rss_gib": statistics.median(r["peak_rss_gib"] for r in mine)}  # fmt: skip
+        for key in ("as_used_accuracy", "gguf_accuracy"):  # the model as the person runs it (issue 49)
+            if all(key in r for r in mine):
+                entry[key + "_pct"] = mean_se([100 * r[key] for r in mine])
+        if all("wall_s" in r for r in mine):
+            entry["wall_s"] = statistics.median(r["wall_s"] for r in mine)
+        if all("gguf_bytes" in r for r in mine):
+            entry["gguf_mb"] = statistics.median(r["gguf_bytes"] for r in mine) / 1e6
         pairs = [(by[arm, r["seed"]], by[REF, r["seed"]]) for r in mine if (REF, r["seed"]) in by]
         if arm != REF and pairs:
             entry["vs_" + REF] = {
@@ -180,13 +249,24 @@ def summarize(runs: list[dict]) -> dict:
                 "rss_ratio": statistics.median(a["peak_rss_gib"] / b["peak_rss_gib"] for a, b in pairs),
                 "accuracy_diff_pts": mean_se([100 * (a["accuracy"] - b["accuracy"]) for a, b in pairs]),
             }
+            if all("as_used_accuracy" in a and "as_used_accuracy" in b for a, b in pairs):
+                diffs = [100 * (a["as_used_accuracy"] - b["as_used_accuracy"]) for a, b in pairs]
+                entry["vs_" + REF]["as_used_diff_pts"] = mean_se(diffs)
+            if all("gguf_accuracy" in a and "as_used_accuracy" in b for a, b in pairs):
+                diffs = [100 * (a["gguf_accuracy"] - b["as_used_accuracy"]) for a, b in pairs]
+                entry["vs_" + REF]["gguf_diff_pts"] = mean_se(diffs)  # the phone file against stock's merged model
+        if "gguf_accuracy" in mine[0]:  # the phone file against what the summary showed, seed by seed
+            gaps = [100 * (r["gguf_accuracy"] - r["accuracy"]) for r in mine]
+            entry["gguf_minus_summary_pts"] = {**mean_se(gaps), "worst": min(gaps)}
+            entry["summary_equals_use_path"] = all(r["accuracy"] == r["as_used_accuracy"] for r in mine)
         out[arm] = entry
     return out
 
 
-def targets(summary: dict) -> dict:
-    """The issue's targets for pact_finetune against peft_lora, each with its value and whether it was met."""
-    vs = summary.get("pact_finetune", {}).get("vs_" + REF)
+def targets(summary: dict, all_nvfp4_bytes: int | None = None) -> dict:
+    """The issues' targets for pact_finetune against peft_lora, each with its value and whether it was met."""
+    pact = summary.get("pact_finetune", {})
+    vs = pact.get("vs_" + REF)
     if vs is None:
         return {}
     out = {}
@@ -194,6 +274,26 @@ def targets(summary: dict) -> dict:
         value = vs[key]["mean"] if isinstance(vs[key], dict) else vs[key]
         met = value <= bound if op == "<=" else value >= bound
         out[key] = {"value": value, "target": f"{op} {bound:g}", "met": met, "words": words}
+    gaps = pact.get("gguf_minus_summary_pts")
+    if gaps is not None:  # issue 49
+        out["summary_equals_use_path"] = {"value": pact["summary_equals_use_path"], "target": "== True",
+                                          "met": pact["summary_equals_use_path"],
+                                          "words": "summary accuracy == use-path accuracy on every seed"}  # fmt: skip
+        out["gguf_minus_summary_pts"] = {"value": gaps["mean"], "target": ">= -1", "met": gaps["mean"] >= -1.0,
+                                         "words": "GGUF in llama.cpp >= the summary - 1 point (mean)"}  # fmt: skip
+        worst = {"value": gaps["worst"], "target": ">= -3", "met": gaps["worst"] >= -3}
+        out["gguf_worst_minus_summary_pts"] = {
+            **worst,
+            "words": "GGUF in llama.cpp >= the summary - 3 points (every seed)",
+        }
+    if "gguf_diff_pts" in vs:
+        value = vs["gguf_diff_pts"]["mean"]
+        out["gguf_diff_pts"] = {"value": value, "target": ">= -1", "met": value >= -1.0,
+                                "words": "GGUF in llama.cpp >= stock peft's merged model - 1 point"}  # fmt: skip
+    if all_nvfp4_bytes and "gguf_mb" in pact:
+        value = pact["gguf_mb"] * 1e6 / all_nvfp4_bytes
+        out["gguf_size_ratio"] = {"value": value, "target": "<= 1.3", "met": value <= 1.3,
+                                  "words": "GGUF size <= 1.3x the all-NVFP4 one"}  # fmt: skip
     return out
 
 
@@ -205,18 +305,34 @@ def _pm(value: dict, digits: int = 1, sign: str = "") -> str:
 def markdown_table(results: dict) -> str:
     """The summary as a markdown table, then the issue's targets and the noise floor."""
     summary, vs_key = results["summary"], "vs_" + REF
+    used = any("as_used_accuracy_pct" in entry for entry in summary.values())
+    extra = (
+        " as used % (merged; pact: use path) | as used - {0} | GGUF in llama.cpp % | whole command s |" if used else ""
+    )
     lines = [f"| arm | seeds | train s (median) | time / {REF} | held-out accuracy % | accuracy - {REF} (points) "
-             f"| peak RSS GiB | RSS / {REF} |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             f"| peak RSS GiB | RSS / {REF} |{extra.format(REF)}", "|---" * (8 + 4 * used) + "|"]  # fmt: skip
     for arm, entry in summary.items():
         vs = entry.get(vs_key)
         ratio = f"{vs['time_ratio']:.3f}" if vs else "1"
         diff = _pm(vs["accuracy_diff_pts"], sign="+") if vs else "0"
         rss = f"{vs['rss_ratio']:.3f}" if vs else "1"
-        lines.append(f"| {arm} | {len(entry['seeds'])} | {entry['train_s']:.1f} | {ratio} | "
-                     f"{_pm(entry['accuracy_pct'])} | {diff} | {entry['peak_rss_gib']:.2f} | {rss} |")  # fmt: skip
+        row = (f"| {arm} | {len(entry['seeds'])} | {entry['train_s']:.1f} | {ratio} | "
+               f"{_pm(entry['accuracy_pct'])} | {diff} | {entry['peak_rss_gib']:.2f} | {rss} |")  # fmt: skip
+        if used:
+            as_used = _pm(entry["as_used_accuracy_pct"]) if "as_used_accuracy_pct" in entry else "-"
+            used_diff = (
+                _pm(vs["as_used_diff_pts"], sign="+") if vs and "as_used_diff_pts" in vs else "0" if not vs else "-"
+            )
+            gguf = (f"{_pm(entry['gguf_accuracy_pct'])} ({entry['gguf_mb']:.0f} MB)"
+                    if "gguf_accuracy_pct" in entry else "-")  # fmt: skip
+            wall = f"{entry['wall_s']:.1f}" if "wall_s" in entry else "-"
+            row += f" {as_used} | {used_diff} | {gguf} | {wall} |"
+        lines.append(row)
     lines.append("")
     for key, target in results.get("targets", {}).items():
-        shown = f"{target['value']:+.1f} points" if key == "accuracy_diff_pts" else f"{target['value']:.3f}x"
+        value = target["value"]
+        shown = (f"{value:+.1f} points" if key.endswith("_pts") else str(value) if isinstance(value, bool)
+                 else f"{value:.3f}x")  # fmt: skip
         lines.append(f"- target, pact_finetune {target['words']}: {shown} ({'met' if target['met'] else 'missed'})")
     noise = summary.get(NOISE, {}).get(vs_key)
     if noise:
@@ -235,7 +351,7 @@ def save(results: dict, out: Path) -> None:
     from optimum_pact.files import write_text_atomic
 
     results["summary"] = summarize(results["runs"])
-    results["targets"] = targets(results["summary"])
+    results["targets"] = targets(results["summary"], results.get("all_nvfp4_gguf_bytes"))
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out, json.dumps(results, indent=1) + "\n")
 
@@ -288,6 +404,8 @@ def main() -> None:
     results = {"bench": "main_job", "config": config, "machine": where, "cpu": cpu_model(), "date": piece["date"],
                "versions": versions(), "pieces": previous.get("pieces", []),
                "runs": previous.get("runs", [])}  # fmt: skip
+    if any(arm.startswith("pact_finetune") for arm in arms):  # what the GGUF's size is measured against
+        results["all_nvfp4_gguf_bytes"] = previous.get("all_nvfp4_gguf_bytes") or all_nvfp4_gguf_bytes()
     done = {(r["arm"], r["seed"]) for r in results["runs"]}
     start = time.perf_counter()
     for i, seed in enumerate(args.seeds):

@@ -14,7 +14,6 @@ import torch
 from gguf.quants import dequantize
 from safetensors.torch import load_file
 from test_generation import _adapter
-from test_gguf_lora import _llama_cpp_accuracy
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from optimum_pact.commands.cli import main
@@ -22,6 +21,7 @@ from optimum_pact.commands.data import load_personal_dataset
 from optimum_pact.commands.generation import parse, run_chat
 from optimum_pact.commands.gguf_export import write_gguf
 from optimum_pact.commands.llama_engine import GGUF_NAME
+from optimum_pact.commands.llama_score import llama_cpp_accuracy
 from optimum_pact.commands.nvfp4_merge import export_nvfp4_merged, save_nvfp4_folder
 from optimum_pact.dataflow import FrozenLinear
 from optimum_pact.nvfp4 import dequantize_reference
@@ -34,13 +34,27 @@ LINEARS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_att
            "mlp.down_proj": "ffn_down"}  # fmt: skip
 
 
+def _sharpen(model) -> None:
+    """Scale q and k up so that attention is peaked, not the near-uniform average of a random model: then which pairs
+    of q/k rows the rotary embedding turns together shows in the logits (the control test below)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(8)
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
 def nvfp4_folder(request, small_model, tmp_path_factory):
     """The small model (SmolLM2's tokenizer, 2 random blocks) on PACT's NVFP4 layers, saved; qwen2: the same as a
     Qwen2 (random q/k/v biases; transformers gives it Qwen2's pre-tokenizer), written as llama.cpp's llama."""
     root = tmp_path_factory.mktemp(f"gguf_{request.param}")
-    source = small_model
-    if request.param == "qwen2":
+    source = root / request.param
+    if request.param == "llama":
+        model = AutoModelForCausalLM.from_pretrained(small_model)
+        _sharpen(model)
+        model.save_pretrained(source)
+        AutoTokenizer.from_pretrained(small_model).save_pretrained(source)
+    else:
         source = root / "qwen2"
         torch.manual_seed(0)
         config = Qwen2Config(
@@ -52,6 +66,7 @@ def nvfp4_folder(request, small_model, tmp_path_factory):
             for name, p in model.named_parameters():
                 if name.endswith("bias"):
                     p.normal_(std=0.5)  # not zeros, so that reordering q/k biases or not shows
+        _sharpen(model)
         model.save_pretrained(source)
         AutoTokenizer.from_pretrained(small_model).save_pretrained(source)
     model = AutoModelForCausalLM.from_pretrained(source, quantization_config=PactQuantizationConfig())
@@ -148,9 +163,9 @@ def _llama(path, **kwargs):
     return llama_cpp.Llama(model_path=str(path), **{"n_ctx": 256, "n_threads": 2, "verbose": False, **kwargs})
 
 
-def test_llama_cpp_computes_what_pact_does_from_the_file(nvfp4_folder, tmp_path):
-    arch, folder = nvfp4_folder
-    out = write_gguf(folder, tmp_path / "model.gguf", embeddings="f32")
+def _largest_gap(folder, out) -> tuple[float, float]:
+    """llama.cpp's logits on the file `out` against PACT's on `folder`: the largest gap as a share of the largest
+    logit, and the share of positions whose argmax agrees."""
     tokenizer = AutoTokenizer.from_pretrained(folder)
     text = "Mum: Lunch on Sunday?\nMe: yes, bringing the lemon cake 1234"
     ids = tokenizer(text)["input_ids"]
@@ -164,12 +179,61 @@ def test_llama_cpp_computes_what_pact_does_from_the_file(nvfp4_folder, tmp_path)
         theirs = torch.from_numpy(llm.scores[: len(ids)]).double()
     finally:
         llm.close()
+    gap = (theirs - pact).abs().max().item() / pact.abs().max().item()
+    return gap, (theirs.argmax(-1) == pact.argmax(-1)).double().mean().item()
+
+
+def test_llama_cpp_computes_what_pact_does_from_the_file(nvfp4_folder, tmp_path):
+    arch, folder = nvfp4_folder
+    gap, agree = _largest_gap(folder, write_gguf(folder, tmp_path / "model.gguf", embeddings="f32"))
     # llama.cpp multiplies with 8-bit activations: close, not equal. Wrong q/k rows, nibbles or scales are far off.
     # (A random model's top logits nearly tie: an argmax may differ where they do.)
-    gap = (theirs - pact).abs().max().item() / pact.abs().max().item()
-    print(f"{arch}: largest gap {gap:.4f} of the largest logit")
+    print(f"{arch}: largest gap {gap:.4f} of the largest logit, argmax agrees at {agree:.0%}")
     assert gap < 0.02, gap
-    assert (theirs.argmax(-1) == pact.argmax(-1)).double().mean() >= 0.9
+    assert agree >= 0.9
+
+
+def test_q_and_k_rows_in_the_wrong_order_fail_the_check_above(nvfp4_folder, tmp_path, monkeypatch):
+    """The negative control: the same file with q/k rows (and biases) left in HF's order is far off in llama.cpp."""
+    _, folder = nvfp4_folder
+    monkeypatch.setattr("optimum_pact.commands.gguf_export.llama_rows", lambda tensor, heads: tensor)
+    gap, _ = _largest_gap(folder, write_gguf(folder, tmp_path / "wrong.gguf", embeddings="f32"))
+    print(f"q/k rows in HF order: largest gap {gap:.4f}")
+    assert gap > 0.05, gap
+
+
+def test_a_16bit_linear_is_a_16bit_ggml_tensor_merged_exactly(small_model, tmp_path):
+    """An adapter trained with some linears 16-bit: the GGUF mixes types as Q4_K_M files do, NVFP4 and F16."""
+    from peft import get_peft_model
+
+    from peft_ext import PactConfig
+
+    sixteen = ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(small_model, dtype=torch.bfloat16)
+    config = PactConfig(r=4, target_modules="all-linear", init_lora_weights=False, protected_modules=sixteen)
+    model = get_peft_model(model, config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(20)
+    model.save_pretrained(tmp_path / "adapter")
+    out = tmp_path / "me.gguf"
+    assert main(["export", "--format", "gguf", "--adapter", str(tmp_path / "adapter"), "--model", str(small_model),
+                 "--output", str(out)]) == 0  # fmt: skip
+    tensors = {t.name: t for t in gguf.GGUFReader(out).tensors}
+    types = {name: tensors[f"blk.{b}.{short}.weight"].tensor_type.name for b in range(2)
+             for module, short in LINEARS.items() for name in [f"model.layers.{b}.{module}"]}  # fmt: skip
+    assert {name for name, kind in types.items() if kind == "F16"} == set(sixteen)
+    assert {kind for name, kind in types.items() if name not in sixteen} == {"NVFP4"}
+    for name, heads in zip(sixteen, (4, None)):
+        layer = model.get_submodule("base_model.model." + name)
+        with torch.no_grad():
+            exact = layer.get_base_layer().dequantize(torch.float32) + layer.get_delta_weight("default").float()
+        exact = llama_rows(exact, heads) if heads else exact
+        short = tensors[f"blk.{name.split('.')[2]}.{LINEARS['.'.join(name.split('.')[3:])]}.weight"]
+        # W16 + B A, rounded once: to the bf16 of the merged folder, then f16 in the file
+        assert np.array_equal(np.asarray(short.data), exact.bfloat16().float().half().numpy()), name
 
 
 def test_pact_export_gguf_merged_and_no_merge_and_llama_cpps_lora_refusal(small_model, tmp_path, capsys):
@@ -265,11 +329,7 @@ def test_llama_cpp_scores_and_generates_as_pacts_merged_model(main_job, tmp_path
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "merged")
     train, heldout = load_personal_dataset()
     labels = sorted({item["label"] for item in train + heldout})
-    llm = _llama(model_file, logits_all=True, n_ctx=512)
-    try:
-        accuracy = _llama_cpp_accuracy(llm, tokenizer, heldout, labels)
-    finally:
-        llm.close()
+    accuracy = llama_cpp_accuracy(model_file, tokenizer, heldout, labels, n_threads=2)
 
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")  # PACT's merged model, as transformers runs it
     llm = _llama(model_file, n_ctx=512)

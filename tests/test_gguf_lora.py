@@ -18,6 +18,7 @@ from optimum_pact.commands.cli import main
 from optimum_pact.commands.data import format_example, load_personal_dataset
 from optimum_pact.commands.default_model import default_gguf_path, ensure_default_model
 from optimum_pact.commands.gguf_lora import check_gguf_base, export_gguf_lora, read_adapter
+from optimum_pact.commands.llama_score import llama_cpp_accuracy
 from optimum_pact.errors import NoSpaceError
 
 PROJECTIONS = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output",
@@ -200,29 +201,9 @@ def test_llama_cpp_computes_with_the_exported_lora_what_peft_does(tmp_path):
     assert gap < 2 * noise, (gap, noise)
 
 
-def _llama_cpp_accuracy(llm, tokenizer, items: list[dict], labels: list[str]) -> float:
-    """PACT's held-out accuracy (evaluation.score_labels), computed by llama.cpp: each item gets the label whose
-    tokens have the highest summed log-probability after the prompt. Token ids come from the HF tokenizer, so
-    both sides score the same ids."""
-    label_ids = [tokenizer(format_example("", label)[1], add_special_tokens=False)["input_ids"] for label in labels]
-    correct = 0
-    for item in items:
-        prompt = tokenizer(format_example(item["text"], item["label"])[0])["input_ids"]
-        llm.reset()
-        llm.eval(prompt)
-        scores = []
-        for ids in label_ids:
-            llm.n_tokens = len(prompt)  # back to the prompt (eval drops the cache past it), then this label's tokens
-            llm.eval(ids[:-1])
-            logits = torch.from_numpy(llm.scores[len(prompt) - 1 : len(prompt) - 1 + len(ids)])
-            scores.append(torch.log_softmax(logits.double(), -1)[range(len(ids)), ids].sum().item())
-        correct += labels[int(np.argmax(scores))] == item["label"]
-    return correct / len(items)
-
-
 @pytest.mark.slow
 def test_llama_cpp_with_the_exported_lora_classifies_as_pact_did(main_job, tmp_path):
-    llama_cpp = pytest.importorskip("llama_cpp", reason="needs llama-cpp-python (optimum-pact[llama])")
+    pytest.importorskip("llama_cpp", reason="needs llama-cpp-python (optimum-pact[llama])")
     out, proc = main_job
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -233,13 +214,7 @@ def test_llama_cpp_with_the_exported_lora_classifies_as_pact_did(main_job, tmp_p
     labels = sorted({item["label"] for item in train + heldout})  # the candidates finetune scores
 
     def accuracy(**lora_path) -> float:
-        llm = llama_cpp.Llama(
-            model_path=str(base), logits_all=True, n_ctx=512, n_threads=2, verbose=False, **lora_path
-        )
-        try:
-            return _llama_cpp_accuracy(llm, tokenizer, heldout, labels)
-        finally:
-            llm.close()
+        return llama_cpp_accuracy(base, tokenizer, heldout, labels, n_threads=2, **lora_path)
 
     with_lora, alone = accuracy(lora_path=str(lora)), accuracy()
     print(f"llama.cpp + LoRA {with_lora:.3f}, llama.cpp alone {alone:.3f}, PACT {summary['accuracy_after']:.3f}")

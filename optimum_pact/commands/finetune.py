@@ -7,7 +7,6 @@ the Trainer). `pact finetune` parses its options (`arguments.py`) and calls `fin
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import signal
 import sys
@@ -34,7 +33,6 @@ from .data.generative import builtin_data, file_format, load_generative_dataset,
 from .data.trained_on import TrainedOn
 from .evaluation import accuracy, answer, classify, heldout_loss
 from .model_folder import RUN_AGAIN, load_causal_lm, load_tokenizer, resolve_model, written_aside
-from .modeling import PactModelForCausalLM
 from .summary import FinetuneSummary, write_card
 
 
@@ -171,15 +169,11 @@ def _finetune(run: FinetuneRun) -> FinetuneSummary:
     with written_aside(adapter_dir, replace=True, needs=adapter_bytes + (64 << 10), fix=again) as tmp:
         peft_model.save_pretrained(str(tmp))
         TrainedOn.of(form, train_items).save(tmp)
-        # what the person is shown is the saved adapter as every use of it loads it (PactModelForCausalLM: the base
-        # rebuilt from the original weights with the adapter's own 16-bit linears), not the training-time object
-        del trainer, peft_model, base, frozen
-        gc.collect()
-        used = PactModelForCausalLM.from_pretrained(
-            job.model, adapter=str(tmp), backend=config.backend, backend_options=config.backend_options, dtype=dtype
-        )
-        after = held_out.measure(used.model)
-        del used
+        # what the person is shown is the model every use of the saved adapter loads (PactModelForCausalLM: the
+        # base rebuilt in the adapter's dtype with its own 16-bit linears). That model computes this one's logits
+        # exactly (tests/test_use_path.py; bench_main_job scores each seed's adapter again through it in another
+        # process), so it is scored here without loading the base a second time (+0.25 GiB of peak RSS)
+        after = held_out.measure(peft_model)
         summary = FinetuneSummary(
             model=model_path,
             train_items=len(train_items),

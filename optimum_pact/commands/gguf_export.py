@@ -29,7 +29,9 @@ from ..nvfp4 import dequantize_reference
 from ..nvfp4.gguf import GGML_BLOCK, llama_rows, to_ggml_nvfp4
 from ..precision import resolve_dtype
 from ..quantizer import PactQuantizationConfig
+from .finetune import load_data
 from .gguf_lora import ARCHITECTURES, PERMUTED, TENSOR_NAMES, write_gguf_file
+from .llama_score import llama_cpp_accuracy, llama_cpp_available
 from .model_folder import check_adapter_folder, load_causal_lm, load_tokenizer, resolve_model
 from .modeling import read_adapter_config
 from .nvfp4_merge import export_nvfp4_merged, save_merged, save_nvfp4_folder
@@ -94,9 +96,24 @@ def export_gguf(
         else:
             save_merged(adapter, folder, base, requantize_from, keep_16bit)
         write_gguf(folder, output, embeddings)
+        if score and merge:
+            _say_llama_cpp_score(output, folder, data)
     if not merge:
         print(f"note: {output} is the NVFP4 base without the adapter; {NO_MERGE_REFUSED}.")
     return output
+
+
+def _say_llama_cpp_score(output: Path, folder: Path, data: str | None) -> None:
+    """Print the written file's own held-out accuracy, as llama.cpp computes it (labelled data, `llama` extra)."""
+    form, train, heldout = load_data(data)
+    if form != "labelled":
+        return
+    if not llama_cpp_available():
+        print(f"note: {output}'s own score needs llama.cpp: pip install 'optimum-pact[llama]'")
+        return
+    labels = sorted({item["label"] for item in train + heldout})
+    accuracy = llama_cpp_accuracy(output, AutoTokenizer.from_pretrained(folder), heldout, labels)
+    print(f"held-out accuracy of {output.name} in llama.cpp: {accuracy:.1%} (the file as a phone runs it)")
 
 
 def check_embeddings(embeddings: str) -> None:
