@@ -54,6 +54,9 @@ ARM_FLAGS = {
     "pact_finetune_fused": ["--pact_fuse_cpu_ops", "true"],
 }
 DEFAULT_ARMS = ARMS[:5]
+# the GGUF merges scored for pact_finetune (rounding / what is rounded): the export's default first (its figure), then
+# the merge before issue 49 (nearest rounding of the full-precision weights + the change)
+MERGES = (("gptq", "nvfp4"), ("nearest", "original"))
 REF = "peft_lora"
 NOISE = "peft_lora_dup"
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "main_job" / "results.json"
@@ -190,10 +193,16 @@ def as_used(adapter: Path) -> dict:
     use_path = accuracy(classify(model.model, model.tokenizer, texts, labels), golds)
     tokenizer = model.tokenizer
     del model
+    variants, sizes = {}, []
     with tempfile.TemporaryDirectory() as tmp:
-        gguf = export_gguf(adapter, Path(tmp) / "model.gguf", score=False)
-        gguf_accuracy = llama_cpp_accuracy(gguf, tokenizer, heldout_items, labels)
-        return {"as_used_accuracy": use_path, "gguf_accuracy": gguf_accuracy, "gguf_bytes": gguf.stat().st_size}
+        for rounding, source in MERGES:  # the export's default first
+            gguf = Path(tmp) / f"{rounding}-{source}.gguf"
+            export_gguf(adapter, gguf, score=False, rounding=rounding, requantize_from=source)
+            variants[f"{rounding}/{source}"] = llama_cpp_accuracy(gguf, tokenizer, heldout_items, labels)
+            sizes.append(gguf.stat().st_size)
+    size = sizes[0]
+    return {"as_used_accuracy": use_path, "gguf_accuracy": next(iter(variants.values())), "gguf_bytes": size,
+            "gguf_variants": variants}  # fmt: skip
 
 
 def all_nvfp4_gguf_bytes() -> int:

@@ -57,9 +57,8 @@ def test_the_merged_folder_reloads_as_reported_and_computes_the_merge(small_mode
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     frozen = {n for n, m in reloaded.named_modules() if isinstance(m, FrozenLinear)}
     assert len(frozen) == 7 and not frozen & set(report.kept_16bit)  # the kept ones load as plain bf16 linears
-    exported = resolve_dtype("auto")  # the export's dtype: as `pact finetune` picks (generation's "auto" is bf16)
-    pact = PactModelForCausalLM.from_pretrained(str(small_model), adapter=str(small_delta), dtype=exported)
-    weights, _ = merged_weights(pact, "nvfp4", 0.5)
+    pact = PactModelForCausalLM.from_pretrained(str(small_model), adapter=str(small_delta))  # as the export loads it
+    weights, _ = merged_weights(pact, "nvfp4", 0.5, rounding="gptq")  # the export's default rounding
     for name, weight in weights.items():
         module = reloaded.get_submodule(name)
         got = module.dequantize(torch.float32) if name in frozen else module.weight.float()
@@ -71,7 +70,7 @@ def test_the_merged_folder_reloads_as_reported_and_computes_the_merge(small_mode
 def test_bad_merge_options_are_named_and_nothing_is_written(small_model, small_delta, tmp_path):
     with pytest.raises(OptionError, match="keep_16bit.*from 0 to 1"):
         export_nvfp4_merged(small_delta, tmp_path / "m", str(small_model), keep_16bit=2.0)
-    with pytest.raises(OptionError, match="requantize_from.*'exact' is not one of original, nvfp4"):
+    with pytest.raises(OptionError, match="requantize_from.*'exact' is not one of nvfp4, original"):
         export_nvfp4_merged(small_delta, tmp_path / "m", str(small_model), requantize_from="exact")
     assert not list(tmp_path.iterdir())
 

@@ -12,7 +12,7 @@ anywhere.
 
 `nvfp4-merged`: base + adapter merged and re-quantized to NVFP4 in the ModelOpt layout, scored before it is kept:
 the held-out accuracy of the base, the adapter and the merged folder as reloaded, with a warning when the merge
-keeps less than 80% of the adapter's gain (`nvfp4_merge.py`; `--requantize_from`, `--keep_16bit`).
+keeps less than 80% of the adapter's gain (`nvfp4_merge.py`; `--rounding`, `--requantize_from`, `--keep_16bit`).
 
 `gguf`: that merged NVFP4 model as one llama.cpp GGUF, its linears in llama.cpp's own NVFP4 (`gguf_export.py`;
 `--embeddings`, `--no-merge`).
@@ -31,7 +31,7 @@ from .gguf_export import EMBEDDINGS, export_gguf
 from .gguf_lora import export_gguf_lora
 from .model_folder import adapter_loading, check_paths, load_causal_lm, load_tokenizer, resolve_model, written_aside
 from .modeling import read_adapter_config
-from .nvfp4_merge import REQUANTIZE_FROM, export_nvfp4_merged
+from .nvfp4_merge import REQUANTIZE_FROM, ROUNDINGS, export_nvfp4_merged
 
 FORMATS = ("merged-bf16", "gguf-lora", "nvfp4-merged", "gguf")
 
@@ -56,16 +56,25 @@ class ExportArguments:
         },
     )
     requantize_from: str = field(
-        default="original",
+        default="nvfp4",
         metadata={
-            "help": "nvfp4-merged, gguf: round the full-precision checkpoint + the adapter's change ('original', keeps"
-            " more of it) or the NVFP4 base + the change ('nvfp4', the usual merge).",
+            "help": "nvfp4-merged, gguf: what the merge rounds to NVFP4: the weights the adapter was trained against "
+            "+ its change ('nvfp4', the model it was scored as) or the full-precision checkpoint + the change "
+            "('original').",
             "choices": list(REQUANTIZE_FROM),
         },
     )
     keep_16bit: float = field(
         default=0.0,
         metadata={"help": "nvfp4-merged, gguf: the fraction of linears kept bf16, those whose rounding loses most."},
+    )
+    rounding: str = field(
+        default="gptq",
+        metadata={
+            "help": "nvfp4-merged, gguf: how the merged weights are rounded to NVFP4: gptq (each rounding error "
+            "compensated on the layer's inputs over --data's training items) or nearest.",
+            "choices": list(ROUNDINGS),
+        },
     )
     embeddings: str = field(
         default="f16",
@@ -113,12 +122,13 @@ def export(args: ExportArguments) -> Path:
     if args.format == "gguf":
         return export_gguf(
             args.adapter, args.output, args.model, args.embeddings, not args.no_merge, args.data,
-            args.requantize_from, args.keep_16bit,
+            args.requantize_from, args.keep_16bit, rounding=args.rounding,
         )  # fmt: skip
     if args.format == "nvfp4-merged":
         report = export_nvfp4_merged(
-            args.adapter, args.output, args.model, args.data, args.requantize_from, args.keep_16bit
-        )
+            args.adapter, args.output, args.model, args.data, args.requantize_from, args.keep_16bit,
+            rounding=args.rounding,
+        )  # fmt: skip
         print(report.describe())
         return Path(args.output)
     return export_merged(args.adapter, args.output, args.model)

@@ -66,9 +66,10 @@ def export_gguf(
     embeddings: str = "f16",
     merge: bool = True,
     data: str | None = None,
-    requantize_from: str = "original",
+    requantize_from: str = "nvfp4",
     keep_16bit: float = 0.0,
     score: bool = True,
+    rounding: str = "gptq",
 ) -> Path:
     """Write `adapter` (trained on `base`; None: the default model) merged into its NVFP4 base (`merge=False`: the
     base alone, as trained) as one GGUF at `output`, a new file. The merge is `--format nvfp4-merged`'s, scored on
@@ -92,9 +93,10 @@ def export_gguf(
             save_nvfp4_folder(model, load_tokenizer(path, base), folder)
             del model
         elif score:
-            print(export_nvfp4_merged(adapter, folder, base, data, requantize_from, keep_16bit).describe())
+            report = export_nvfp4_merged(adapter, folder, base, data, requantize_from, keep_16bit, rounding=rounding)
+            print(report.describe())
         else:
-            save_merged(adapter, folder, base, requantize_from, keep_16bit)
+            save_merged(adapter, folder, base, requantize_from, keep_16bit, rounding=rounding, data=data)
         write_gguf(folder, output, embeddings)
         if score and merge:
             _say_llama_cpp_score(output, folder, data)

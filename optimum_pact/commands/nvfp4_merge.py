@@ -1,14 +1,17 @@
 """`pact export --format nvfp4-merged`: base + adapter merged and re-quantized to NVFP4, in the ModelOpt layout.
 
 Merging into a 4-bit base is where adapters lose their gain: a LoRA change is mostly smaller than the NVFP4 grid
-step, so rounding `deq(W) + delta` (the usual dequantize-merge-requantize) puts most weights back where they were.
-Two ways are offered, and the export measures what each keeps:
+step, so rounding each weight of `deq(W) + delta` to its nearest value puts most of them back where they were. The
+target and the rounding are chosen apart, and the export measures what they keep:
 
-- `requantize_from="original"` (default): round the full-precision checkpoint's weight with the delta folded in,
-  `quantize(W + delta)`. W sits anywhere between grid points, so the delta moves each rounding with a probability
-  proportional to its size: in expectation the rounded change is the delta, instead of nothing.
-- `requantize_from="nvfp4"`: `quantize(deq(Q(W)) + delta)`, what merging into an already-4-bit model does.
-- `keep_16bit=FRACTION` on top of either: the linears whose rounding lost most of the delta stay bf16, holding
+- `requantize_from="nvfp4"` (default): the weights the adapter was trained against, `deq(Q(W)) + delta`: the model
+  the person was shown. `requantize_from="original"`: the full-precision checkpoint's weight with the delta folded
+  in, `W + delta` (W sits anywhere between grid points, so under nearest rounding the delta moves each rounding with
+  a probability proportional to its size).
+- `rounding="gptq"` (default; `optimum_pact.nvfp4.gptq`): one input column at a time, each rounding error moved onto
+  the columns not yet rounded, so that the layer's outputs on the person's own training items (`--data`,
+  `calibration.py`) stay where the target puts them. `rounding="nearest"`: each weight to its nearest value alone.
+- `keep_16bit=FRACTION` on top: the linears whose rounding lost most of the delta stay bf16, holding
   `deq(Q(W)) + delta` exactly (listed in the config's `modules_to_not_convert`, so the folder reloads as saved).
 
 Linears the adapter was trained with 16-bit (AQLoRA's protected ones, a precision plan's fp16 ones) are never
@@ -37,14 +40,17 @@ from .. import __version__
 from ..dataflow import FrozenLinear
 from ..errors import OptionError
 from ..nvfp4 import BLOCK_SIZE, NVFP4Tensor, quantize
+from ..nvfp4.gptq import gptq_quantize
 from ..quantizer import PactQuantizationConfig
+from .calibration import calibration_rows, input_hessians
 from .finetune import HeldOut, load_data
 from .model_folder import check_paths, original_weights, written_aside
 from .modeling import PactModelForCausalLM
 
 logger = logging.getLogger(__name__)
 
-REQUANTIZE_FROM = ("original", "nvfp4")
+REQUANTIZE_FROM = ("nvfp4", "original")
+ROUNDINGS = ("gptq", "nearest")  # the merged NVFP4 weights: error-compensating on the training items, or each nearest
 WARN_BELOW = 0.8  # of the adapter's gain kept
 
 
@@ -57,8 +63,9 @@ class MergeReport:
     gain_kept: float | None  # (merged - base) / (adapter - base), the metric's sign taken into account; None if
     # the adapter gained nothing on these items
     requantize_from: str
-    kept_16bit: list[str]  # linears kept bf16
+    kept_16bit: list[str]  # linears kept 16-bit (trained so, or kept by keep_16bit)
     delta_kept: float  # of the adapter's weight change, the share the merged weights hold (projection, all layers)
+    rounding: str = "nearest"  # how the NVFP4 linears were rounded: gptq (on the training items) or nearest
 
     def describe(self) -> str:
         pct = "%" if self.metric == "accuracy" else ""
@@ -71,7 +78,7 @@ class MergeReport:
         return (
             f"held-out {self.metric}: base {show(self.base)}, adapter {show(self.adapter)}, merged {show(self.merged)}"
             f" ({kept} of the adapter's gain kept; weight change kept {self.delta_kept:.0%}; "
-            f"from {self.requantize_from}, {len(self.kept_16bit)} linears bf16)"
+            f"from {self.requantize_from}, {self.rounding} rounding, {len(self.kept_16bit)} linears 16-bit)"
         )
 
 
@@ -88,7 +95,9 @@ def _original_weights(folder: Path, names: list[str]) -> dict[str, torch.Tensor]
         ) from None
 
 
-def check_merge_options(requantize_from: str, keep_16bit: float) -> None:
+def check_merge_options(requantize_from: str, keep_16bit: float, rounding: str = "nearest") -> None:
+    if rounding not in ROUNDINGS:
+        raise OptionError("rounding", f"rounding={rounding!r} is not one of {', '.join(ROUNDINGS)}")
     if requantize_from not in REQUANTIZE_FROM:
         choices = ", ".join(REQUANTIZE_FROM)
         raise OptionError("requantize_from", f"requantize_from={requantize_from!r} is not one of {choices}")
@@ -100,14 +109,23 @@ def check_merge_options(requantize_from: str, keep_16bit: float) -> None:
 
 @torch.no_grad()
 def merged_weights(
-    pact: PactModelForCausalLM, requantize_from: str, keep_16bit: float
+    pact: PactModelForCausalLM,
+    requantize_from: str,
+    keep_16bit: float,
+    rounding: str = "nearest",
+    data: str | None = None,
 ) -> tuple[dict[str, NVFP4Tensor | torch.Tensor], float]:
     """`{linear name: its merged weight}` (NVFP4, or a bf16 tensor for the kept linears) and the share of the
-    adapter's weight change the merged weights hold."""
-    check_merge_options(requantize_from, keep_16bit)
+    adapter's weight change the merged weights hold. `rounding="gptq"` rounds each NVFP4 linear with GPTQ, on the
+    moments of its inputs over `data`'s training items (`calibration.py`)."""
+    check_merge_options(requantize_from, keep_16bit, rounding)
     layers = {name.removeprefix("base_model.model."): m for name, m in pact.model.named_modules()}
     layers = {name: m for name, m in layers.items() if isinstance(m, PactLoraLinear)}
     packed = [name for name, m in layers.items() if m.get_base_layer().precision == "nvfp4"]
+    hessians = {}
+    if rounding == "gptq":
+        rows = calibration_rows(pact.tokenizer, data)
+        hessians = input_hessians(pact.model, {name: layers[name] for name in packed}, rows)
     originals = _original_weights(Path(pact.base_path), packed) if requantize_from == "original" else {}
     adapter = pact.model.active_adapter
     merged, lost, dots, norm = {}, {}, {}, 0.0
@@ -127,7 +145,8 @@ def merged_weights(
         if base.precision != "nvfp4":  # trained 16-bit: stays 16-bit, the change merged exactly
             held(name, trained + delta, trained, delta)
             continue
-        held(name, quantize(originals.pop(name, trained) + delta), trained, delta)
+        target = originals.pop(name, trained) + delta
+        held(name, gptq_quantize(target, hessians[name]) if name in hessians else quantize(target), trained, delta)
     rounded = {name: value for name, value in lost.items() if isinstance(merged[name], NVFP4Tensor)}
     for name in sorted(rounded, key=rounded.get, reverse=True)[: round(keep_16bit * len(lost))]:
         layer = layers[name]
@@ -183,17 +202,19 @@ def save_merged(
     adapter: str | Path,
     output: str | Path,
     base: str | None = None,
-    requantize_from: str = "original",
+    requantize_from: str = "nvfp4",
     keep_16bit: float = 0.0,
     dtype: str = "auto",
+    rounding: str = "gptq",
+    data: str | None = None,
 ) -> Path:
     """`export_nvfp4_merged`'s folder without its scoring (no report): for a merge made again and again, such as
     the GGUF `pact generate --engine llama.cpp` keeps beside an adapter. Returns `output`."""
     adapter, output = check_paths(adapter, output)
-    check_merge_options(requantize_from, keep_16bit)
+    check_merge_options(requantize_from, keep_16bit, rounding)
     pact = PactModelForCausalLM.from_pretrained(base, adapter=str(adapter), dtype=dtype)
     torch_dtype = pact.precisions.dtype
-    weights, _ = merged_weights(pact, requantize_from, keep_16bit)
+    weights, _ = merged_weights(pact, requantize_from, keep_16bit, rounding, data)
     path, tokenizer = pact.base_path, pact.tokenizer
     del pact
     model = _merged_model(path, weights, torch_dtype)
@@ -211,19 +232,20 @@ def export_nvfp4_merged(
     output: str | Path,
     base: str | None = None,
     data: str | None = None,
-    requantize_from: str = "original",
+    requantize_from: str = "nvfp4",
     keep_16bit: float = 0.0,
     dtype: str = "auto",
+    rounding: str = "gptq",
 ) -> MergeReport:
     """Merge `adapter` into its NVFP4 base, save the result at `output` (ModelOpt layout, loadable with
     `AutoModelForCausalLM.from_pretrained(output)` once optimum_pact is imported) and report what the merge kept,
     scored on `data`'s held-out items (default: the main job's data). `dtype`: the one the adapter was trained in
     (the NVFP4 base is quantized from the weights in that dtype; "auto": the one the adapter records)."""
     adapter, output = check_paths(adapter, output)
-    check_merge_options(requantize_from, keep_16bit)
+    check_merge_options(requantize_from, keep_16bit, rounding)
     pact = PactModelForCausalLM.from_pretrained(base, adapter=str(adapter), dtype=dtype)
     torch_dtype = pact.precisions.dtype
-    weights, delta_kept = merged_weights(pact, requantize_from, keep_16bit)
+    weights, delta_kept = merged_weights(pact, requantize_from, keep_16bit, rounding, data)
     kept = [name for name, weight in weights.items() if not isinstance(weight, NVFP4Tensor)]
     form, train, heldout = load_data(data)
     tokenizer = pact.tokenizer
@@ -253,6 +275,7 @@ def export_nvfp4_merged(
             requantize_from=requantize_from,
             kept_16bit=kept,
             delta_kept=delta_kept,
+            rounding=rounding,
         )
         (tmp / "merge_report.json").write_text(json.dumps(asdict(report), indent=2) + "\n")
     if report.gain_kept is not None and report.gain_kept < WARN_BELOW:
