@@ -1,9 +1,11 @@
-"""How much of an adapter's gain each NVFP4 merge keeps: `pact export --format nvfp4-merged` four ways.
+"""How much of an adapter's gain each NVFP4 merge keeps: `pact export --format nvfp4-merged` several ways.
 
-Arms: the usual merge (`requantize_from="nvfp4"`: dequantize, add the adapter's change, quantize again), the default
-(`"original"`: the full-precision weights with the change folded in, rounded once), and each with a quarter of the
-linears kept bf16. Each exported folder is reloaded and scored on the data's held-out items; prints one JSON line
-with the base / adapter / merged scores and the share of the gain and of the weight change each merge keeps.
+Arms: GPTQ rounding of the weights the adapter was trained against plus its change (`rounding="gptq"`,
+`requantize_from="nvfp4"`: the default), GPTQ of the full-precision weights plus the change, and the nearest
+rounding of either (`"nearest"`: the usual merge from "nvfp4", the default before issue 49 from "original"), the
+nearest ones also with a quarter of the linears kept bf16. Each exported folder is reloaded and scored on the data's
+held-out items; prints one JSON line with the base / adapter / merged scores and the share of the gain and of the
+weight change each merge keeps.
 
     pact finetune --output run && python benchmarks/bench_merge.py --adapter run/adapter
 """
@@ -18,17 +20,19 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from optimum_pact.commands.modeling import read_adapter_config
 from optimum_pact.commands.nvfp4_merge import export_nvfp4_merged
-from optimum_pact.precision import resolve_dtype
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import cpu_model  # noqa: E402  (lscpu's model, AMX, vector width)
 
 ARMS = {
-    "nvfp4": {"requantize_from": "nvfp4"},
-    "nvfp4_keep_16bit_0.25": {"requantize_from": "nvfp4", "keep_16bit": 0.25},
-    "original": {"requantize_from": "original"},
-    "original_keep_16bit_0.25": {"requantize_from": "original", "keep_16bit": 0.25},
+    "gptq_nvfp4": {"rounding": "gptq", "requantize_from": "nvfp4"},
+    "gptq_original": {"rounding": "gptq", "requantize_from": "original"},
+    "nearest_nvfp4": {"rounding": "nearest", "requantize_from": "nvfp4"},
+    "nearest_nvfp4_keep_16bit_0.25": {"rounding": "nearest", "requantize_from": "nvfp4", "keep_16bit": 0.25},
+    "nearest_original": {"rounding": "nearest", "requantize_from": "original"},
+    "nearest_original_keep_16bit_0.25": {"rounding": "nearest", "requantize_from": "original", "keep_16bit": 0.25},
 }
 
 
@@ -50,7 +54,7 @@ def main() -> None:
             {
                 "bench": "nvfp4_merge",
                 "cpu": cpu_model(),
-                "dtype": str(resolve_dtype("auto")).removeprefix("torch."),
+                "dtype": read_adapter_config(args.adapter).base_dtype or "bfloat16 (not recorded: generation's auto)",
                 "adapter": args.adapter,
                 "arms": results,
             }

@@ -162,6 +162,32 @@ def personalization_30steps(results: dict) -> str:
     "memory bandwidth and clocks); bitsandbytes picks its CPU kernels by cpuid itself and was not capped",
 )
 @section(
+    "main_job_as_used",
+    "The main job as the person runs it: the use path and the phone file, against stock peft merged",
+    "python benchmarks/bench_main_job.py --output benchmarks/results/main_job_as_used/results.json",
+    note="pact finetune's summary reports the saved adapter as `pact generate` loads it (its 16-bit linears and "
+    "dtype rebuilt); `as used` is that adapter scored again through PactModelForCausalLM in another process, and "
+    "`GGUF in llama.cpp` the `pact export --format gguf` file (GPTQ merge) scored by llama.cpp; stock arms: the "
+    "saved adapter merged into their base by peft's merge_and_unload",
+)
+def main_job_as_used(results: dict) -> str:
+    table = bench_main_job.markdown_table(results)
+    runs = [r for r in results["runs"] if "gguf_variants" in r]
+    if not runs:
+        return table
+    merges = list(runs[0]["gguf_variants"])
+    lines = ["", "The GGUF's merge, llama.cpp's held-out accuracy per seed (rounding / what is rounded; the first is "
+             "`pact export`'s default):", "", "| seed | summary | " + " | ".join(merges) + " |",
+             "|---" * (2 + len(merges)) + "|"]  # fmt: skip
+    for run in sorted(runs, key=lambda r: r["seed"]):
+        cells = " | ".join(f"{100 * run['gguf_variants'][m]:.1f}" for m in merges)
+        lines.append(f"| {run['seed']} | {100 * run['accuracy']:.1f} | {cells} |")
+    means = " | ".join(f"{100 * sum(r['gguf_variants'][m] for r in runs) / len(runs):.1f}" for m in merges)
+    lines.append(f"| mean | {100 * sum(r['accuracy'] for r in runs) / len(runs):.1f} | {means} |")
+    return table + "\n" + "\n".join(lines)
+
+
+@section(
     "main_job",
     "The main job against the same job in stock peft + Trainer",
     "python benchmarks/bench_main_job.py --output benchmarks/results/main_job/results.json",

@@ -1,4 +1,4 @@
-"""GPTQ rounding into NVFP4: the plain quantizer when the inputs are white, a smaller output error when they are not."""
+"""GPTQ rounding into NVFP4: the plain quantizer where inputs are white, a smaller output error where they are not."""
 
 import pytest
 import torch
@@ -8,8 +8,10 @@ from optimum_pact.nvfp4.gptq import gptq_quantize
 
 
 def _same(a, b) -> bool:
-    return torch.equal(a.qdata, b.qdata) and torch.equal(a.scale.view(torch.uint8), b.scale.view(torch.uint8)) and (
-        torch.equal(a.scale_2, b.scale_2)
+    return (
+        torch.equal(a.qdata, b.qdata)
+        and torch.equal(a.scale.view(torch.uint8), b.scale.view(torch.uint8))
+        and (torch.equal(a.scale_2, b.scale_2))
     )
 
 
@@ -45,7 +47,8 @@ def test_the_moments_are_taken_over_real_tokens_and_shared_by_layers_reading_one
     from optimum_pact.commands.calibration import input_hessians
 
     model = AutoModelForCausalLM.from_pretrained(small_model, dtype=torch.float32)
-    names = [f"model.layers.0.{m}" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj", "mlp.up_proj")]
+    modules = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.o_proj", "mlp.up_proj")
+    names = [f"model.layers.0.{m}" for m in modules]
     layers = {name: model.get_submodule(name) for name in names}
     rows = [[1, 520, 1742, 314], [5, 61], [7, 8, 9, 10, 11, 12], [300]]
     batched, one_by_one = input_hessians(model, layers, rows, batch_size=3), input_hessians(model, layers, rows, 1)

@@ -8,6 +8,7 @@ fails, or prints a traceback, fails the test. Slow: the main job trains the real
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -64,6 +65,46 @@ def test_readme_shows_the_main_job_and_uses_its_adapter():
     assert any("pact-output/adapter" in c for c in commands[1:])
 
 
+def shown_problems(step: str, stdout: str, cwd: Path) -> list[str]:
+    """What is wrong with what `step` printed, against what README.md shows it prints: a tagging adapter answers
+    with one of its tags (generate: the whole answer; chat: each `> ` line), a finetune reports its held-out
+    accuracy, a GGUF export its file's own accuracy in llama.cpp, a merged-bf16 export writes a loadable folder."""
+    problems = []
+    record = cwd / "pact-output" / "adapter" / "pact_data.json"
+    tags = set(json.loads(record.read_text())["labels"]) if record.is_file() else set()
+    tagging = "pact-output/adapter" in step and "--use" not in step  # the main job's adapter, either engine
+    if step.startswith("pact finetune") and "held-out" not in stdout:
+        problems.append("the summary reports no held-out score")
+    if step.startswith("pact generate") and tagging and stdout.strip() not in tags:
+        problems.append(f"answered {stdout.strip()!r}, not one of the adapter's tags {sorted(tags)}")
+    if "pact chat" in step and tagging:
+        answers = [line[2:].strip() for line in stdout.splitlines() if line.startswith("> ")]
+        if not answers or not set(answers) <= tags:
+            problems.append(f"chat answered {answers}, not tags of {sorted(tags)}")
+    if step.startswith("pact export --format gguf ") and not re.search(r"accuracy of \S+ in llama\.cpp: \d", stdout):
+        problems.append("the GGUF export does not report the file's own accuracy in llama.cpp")
+    if step.startswith("pact export --adapter") and "--format" not in step:
+        output = step.split("--output")[1].split()[0]
+        if not (cwd / output / "config.json").is_file():
+            problems.append(f"{output} holds no config.json")
+    return problems
+
+
+def test_what_the_readme_shows_is_checked(tmp_path):
+    (tmp_path / "pact-output" / "adapter").mkdir(parents=True)
+    (tmp_path / "pact-output" / "adapter" / "pact_data.json").write_text('{"labels": ["kin", "mend"]}')
+    generate = 'pact generate --adapter pact-output/adapter "a note"'
+    assert shown_problems(generate, "kin\n", tmp_path) == []
+    assert shown_problems(generate, "kin kin kin kin\n", tmp_path) != []  # an answer that repeats a word
+    chat = "printf 'a\\nb\\n' | pact chat --adapter pact-output/adapter"
+    assert shown_problems(chat, "note: this adapter tags notes\n> kin\n> mend\n", tmp_path) == []
+    assert shown_problems(chat, "> kin\n> Sure! Here is\n", tmp_path) != []
+    gguf = "pact export --format gguf --adapter pact-output/adapter --output notes.gguf"
+    assert shown_problems(gguf, "held-out accuracy of notes.gguf in llama.cpp: 85.0% (the file)\n", tmp_path) == []
+    assert shown_problems(gguf, "exported pact-output/adapter as gguf: notes.gguf\n", tmp_path) != []
+    assert shown_problems("pact finetune", "PACT fine-tune summary\n", tmp_path) != []
+
+
 @pytest.mark.slow
 def test_every_readme_command_runs_as_written(tmp_path):
     (tmp_path / "examples").symlink_to(ROOT / "examples")
@@ -76,3 +117,5 @@ def test_every_readme_command_runs_as_written(tmp_path):
         shown += proc.stderr[-3000:]
         assert proc.returncode == 0, shown
         assert "Traceback" not in proc.stdout + proc.stderr, shown
+        problems = shown_problems(step, proc.stdout, tmp_path) if kind == "bash" else []
+        assert not problems, (problems, shown)

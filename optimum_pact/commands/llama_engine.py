@@ -28,7 +28,7 @@ from .modeling import max_answer_tokens, prompt_ids
 ENGINES = ("pact", "llama.cpp")
 GGUF_NAME = "pact-model.gguf"
 RECORD_NAME = "pact-model.json"
-WRITER_VERSION = 1  # raise when the GGUF written for the same adapter changes
+WRITER_VERSION = 2  # raise when the GGUF written for the same adapter changes (2: GPTQ merge, 16-bit linears)
 MAX_CONTEXT = 4096  # llama.cpp's KV cache is allocated whole: no more than this many tokens
 
 
