@@ -218,5 +218,7 @@ def test_llama_cpp_with_the_exported_lora_classifies_as_pact_did(main_job, tmp_p
 
     with_lora, alone = accuracy(lora_path=str(lora)), accuracy()
     print(f"llama.cpp + LoRA {with_lora:.3f}, llama.cpp alone {alone:.3f}, PACT {summary['accuracy_after']:.3f}")
-    assert abs(with_lora - summary["accuracy_after"]) <= 0.05, (with_lora, summary)
+    # within 3 of the 60 notes (on the Q4_1 base, not the NVFP4 one it trained on); counted in notes: 0.05 in floats
+    # fails by rounding for 52 against 49 notes
+    assert abs(round(60 * with_lora) - round(60 * summary["accuracy_after"])) <= 3, (with_lora, summary)
     assert with_lora >= alone + 0.2, (with_lora, alone)

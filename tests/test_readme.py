@@ -79,6 +79,7 @@ def shown_problems(step: str, stdout: str, cwd: Path) -> list[str]:
         problems.append(f"answered {stdout.strip()!r}, not one of the adapter's tags {sorted(tags)}")
     if "pact chat" in step and tagging:
         answers = [line[2:].strip() for line in stdout.splitlines() if line.startswith("> ")]
+        answers = answers[:-1] if answers and not answers[-1] else answers  # the prompt that met the end of input
         if not answers or not set(answers) <= tags:
             problems.append(f"chat answered {answers}, not tags of {sorted(tags)}")
     if step.startswith("pact export --format gguf ") and not re.search(r"accuracy of \S+ in llama\.cpp: \d", stdout):
@@ -97,7 +98,8 @@ def test_what_the_readme_shows_is_checked(tmp_path):
     assert shown_problems(generate, "kin\n", tmp_path) == []
     assert shown_problems(generate, "kin kin kin kin\n", tmp_path) != []  # an answer that repeats a word
     chat = "printf 'a\\nb\\n' | pact chat --adapter pact-output/adapter"
-    assert shown_problems(chat, "note: this adapter tags notes\n> kin\n> mend\n", tmp_path) == []
+    assert shown_problems(chat, "note: this adapter tags notes\n> kin\n> mend\n> ", tmp_path) == []
+    assert shown_problems(chat, "> kin\n> \n> ", tmp_path) != []  # an empty answer to a message
     assert shown_problems(chat, "> kin\n> Sure! Here is\n", tmp_path) != []
     gguf = "pact export --format gguf --adapter pact-output/adapter --output notes.gguf"
     assert shown_problems(gguf, "held-out accuracy of notes.gguf in llama.cpp: 85.0% (the file)\n", tmp_path) == []
