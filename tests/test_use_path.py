@@ -131,3 +131,18 @@ def test_a_16bit_name_the_base_lacks_is_refused(small_model):
     quantization = PactQuantizationConfig(modules_in_16bit=["model.layers.9.mlp.up_proj"])
     with pytest.raises(ValueError, match=r"modules_in_16bit names 1 module.*model.layers.9.mlp.up_proj.*trained on"):
         AutoModelForCausalLM.from_pretrained(small_model, quantization_config=quantization)
+
+
+def test_on_a_saved_nvfp4_base_the_16bit_linears_run_nvfp4_and_it_says_so(small_model, tmp_path, caplog):
+    from transformers import AutoTokenizer
+
+    _, folder = _train_time_model(small_model, tmp_path / "a", torch.bfloat16, 0, protect_fraction=0.25)
+    packed = tmp_path / "packed"  # the base saved as NVFP4: no full-precision weights to rebuild 16-bit linears from
+    AutoModelForCausalLM.from_pretrained(small_model, quantization_config=PactQuantizationConfig()).save_pretrained(
+        packed
+    )
+    AutoTokenizer.from_pretrained(small_model).save_pretrained(packed)
+    with caplog.at_level("WARNING"):
+        used = PactModelForCausalLM.from_pretrained(str(packed), adapter=str(folder))
+    assert set(_formats(used.model).values()) == {"nvfp4"}
+    assert "saved NVFP4 checkpoint" in caplog.text and "4 linears" in caplog.text

@@ -43,6 +43,7 @@ class PactModelForCausalLM:
             raise ValueError(f"{base_path}: no linear layer was put on the NVFP4 base; is it a causal LM?")
         self.backend = frozen[0].backend
         self.precisions = LayerPrecisions(base_path, model)
+        self.packed_base = _packed_checkpoint(base_path)  # a saved NVFP4 folder: no weights to build 16-bit ones
 
     @classmethod
     def from_pretrained(
@@ -68,15 +69,7 @@ class PactModelForCausalLM:
         if dtype == "auto" and first is not None and first.base_dtype is not None:
             dtype = first.base_dtype
         dtype = resolve_dtype(dtype, inference=True)  # "auto": bf16 (see resolve_dtype)
-        dense = first.sixteen_bit_modules() if first is not None else []
-        if dense and _packed_checkpoint(path):
-            logger.warning(
-                "%s is a saved NVFP4 checkpoint, which holds no full-precision weights to rebuild the adapter's %d "
-                "16-bit linears from; they run NVFP4 here. Pass --model with the base the adapter was trained on.",
-                path,
-                len(dense),
-            )
-            dense = []
+        dense = first.sixteen_bit_modules() if first is not None and not _packed_checkpoint(path) else []
         quantization = PactQuantizationConfig(
             backend=backend, backend_options=backend_options, modules_in_16bit=dense or None
         )
@@ -101,7 +94,17 @@ class PactModelForCausalLM:
         config.inference_mode = True
         if isinstance(self.model, PeftModel) and name in self.model.peft_config:
             raise ValueError(f"an adapter named {name!r} is loaded already; pick another name")
-        self.precisions.add(name, config.sixteen_bit_modules())
+        sixteen = config.sixteen_bit_modules()
+        if sixteen and self.packed_base:
+            logger.warning(
+                "%s is a saved NVFP4 checkpoint, which holds no full-precision weights to rebuild the %d linears %s "
+                "was trained with 16-bit from; they run NVFP4 here. Pass --model with the base it was trained on.",
+                self.base_path,
+                len(sixteen),
+                folder,
+            )
+            sixteen, config = [], config._replace(protected_modules=[], precision_plan=None)
+        self.precisions.add(name, sixteen)
         with adapter_loading(folder, self.base_path):
             if isinstance(self.model, PeftModel):
                 self.model.add_adapter(name, config)
