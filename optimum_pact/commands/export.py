@@ -30,7 +30,7 @@ from ..quantizer import PactQuantizationConfig
 from .gguf_export import EMBEDDINGS, export_gguf
 from .gguf_lora import export_gguf_lora
 from .model_folder import adapter_loading, check_paths, load_causal_lm, load_tokenizer, resolve_model, written_aside
-from .modeling import read_adapter_config
+from .modeling import read_adapter_config, trained_base
 from .nvfp4_merge import REQUANTIZE_FROM, ROUNDINGS, export_nvfp4_merged
 
 FORMATS = ("merged-bf16", "gguf-lora", "nvfp4-merged", "gguf")
@@ -94,9 +94,9 @@ def export_merged(adapter: str | Path, output: str | Path, base: str | None = No
     """Write base (NVFP4, dequantized) + adapter merged as a plain transformers folder at `output`; returns it."""
     adapter, output = check_paths(adapter, output)
     path = resolve_model(base)
-    trained = read_adapter_config(adapter)  # the base as it was trained: its dtype, its 16-bit linears
-    quantization = PactQuantizationConfig(modules_in_16bit=trained.sixteen_bit_modules() or None)
-    model = load_causal_lm(path, base, quantization_config=quantization, dtype=trained.base_dtype or dtype)
+    trained_dtype, dense = trained_base(read_adapter_config(adapter), path, unrecorded=dtype)  # as it was trained
+    quantization = PactQuantizationConfig(modules_in_16bit=dense or None)
+    model = load_causal_lm(path, base, quantization_config=quantization, dtype=trained_dtype)
     model = model.dequantize(dtype=dtype).to(dtype)  # the effective weights the adapter was trained against
     tokenizer = load_tokenizer(path, base)
     with adapter_loading(adapter, path):

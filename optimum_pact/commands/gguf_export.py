@@ -33,7 +33,7 @@ from .finetune import load_data
 from .gguf_lora import ARCHITECTURES, PERMUTED, TENSOR_NAMES, write_gguf_file
 from .llama_score import llama_cpp_accuracy, llama_cpp_available
 from .model_folder import check_adapter_folder, load_causal_lm, load_tokenizer, resolve_model
-from .modeling import read_adapter_config
+from .modeling import read_adapter_config, trained_base
 from .nvfp4_merge import export_nvfp4_merged, save_merged, save_nvfp4_folder
 
 logger = logging.getLogger(__name__)
@@ -85,9 +85,9 @@ def export_gguf(
     with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}-model-") as tmp:
         folder = Path(tmp) / "model"
         if not merge:
-            trained = read_adapter_config(adapter)  # the base as the adapter was trained on it
-            dtype = resolve_dtype(trained.base_dtype or "auto")  # the dtype training quantized the base from
-            quantization = PactQuantizationConfig(modules_in_16bit=trained.sixteen_bit_modules() or None)
+            # the base as the adapter was trained on it ("auto" for an unrecorded dtype: as training picks it)
+            dtype, dense = trained_base(read_adapter_config(adapter), path, unrecorded=resolve_dtype("auto"))
+            quantization = PactQuantizationConfig(modules_in_16bit=dense or None)
             model = load_causal_lm(path, base, quantization_config=quantization, dtype=dtype)
             folder.mkdir()
             save_nvfp4_folder(model, load_tokenizer(path, base), folder)

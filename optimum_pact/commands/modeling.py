@@ -65,11 +65,7 @@ class PactModelForCausalLM:
         path = resolve_model(base)
         adapters = {"default": adapter} if isinstance(adapter, (str, Path)) else dict(adapter or {})
         configs = {name: read_adapter_config(folder) for name, folder in adapters.items()}
-        first = next(iter(configs.values()), None)
-        if dtype == "auto" and first is not None and first.base_dtype is not None:
-            dtype = first.base_dtype
-        dtype = resolve_dtype(dtype, inference=True)  # "auto": bf16 (see resolve_dtype)
-        dense = first.sixteen_bit_modules() if first is not None and not _packed_checkpoint(path) else []
+        dtype, dense = trained_base(next(iter(configs.values()), None), path, dtype)
         quantization = PactQuantizationConfig(
             backend=backend, backend_options=backend_options, modules_in_16bit=dense or None
         )
@@ -87,8 +83,9 @@ class PactModelForCausalLM:
         """Add the adapter saved in `folder` under `name` (peft's own machinery: the base is not copied or changed).
         Its 16-bit linears are held 16-bit while it is active (`set_adapter`): a layer that another adapter needs
         in the other format is kept both ways, the 16-bit copy read from the base's checkpoint."""
-        config = config if config is not None else read_adapter_config(folder)
-        folder = str(check_adapter_folder(folder))
+        if config is None:
+            config = read_adapter_config(folder)  # checks the folder (from_pretrained read it already)
+        folder = str(folder)
         self._check_base(folder, config)
         trained_on = TrainedOn.load(folder)
         config.inference_mode = True
@@ -174,6 +171,19 @@ def read_adapter_config(folder: str | Path) -> PactConfig:
     return PactConfig.from_pretrained(str(folder), allow_missing_sidecar=True)
 
 
+def trained_base(
+    config: PactConfig | None, path: str, dtype: str | torch.dtype = "auto", unrecorded: str | torch.dtype = "auto"
+) -> tuple[torch.dtype, list[str]]:
+    """How to load the base at `path` for an adapter of `config` (None: no adapter) as it was trained: the dtype its
+    frozen weights were built from (`dtype="auto"`: the adapter's `base_dtype`, or `unrecorded` for an adapter that
+    records none; "auto" there is generation's bf16) and its 16-bit linears (none on a saved NVFP4 folder, which
+    holds no weights to build them from)."""
+    if dtype == "auto":
+        dtype = config.base_dtype if config is not None and config.base_dtype is not None else unrecorded
+    dense = config.sixteen_bit_modules() if config is not None and not _packed_checkpoint(path) else []
+    return resolve_dtype(dtype, inference=True), dense
+
+
 def _packed_checkpoint(path: str) -> bool:
     """Whether `path` is a saved PACT checkpoint (its linears already NVFP4), not a full-precision one."""
     config = Path(path, "config.json")
@@ -212,4 +222,4 @@ def prompt_ids(tokenizer, record: TrainedOn | None, messages: list[dict] | str) 
     return out["input_ids"] if hasattr(out, "keys") else out
 
 
-__all__ = ["PactModelForCausalLM", "max_answer_tokens", "prompt_ids", "read_adapter_config"]
+__all__ = ["PactModelForCausalLM", "max_answer_tokens", "prompt_ids", "read_adapter_config", "trained_base"]
