@@ -56,7 +56,9 @@ ARM_FLAGS = {
 DEFAULT_ARMS = ARMS[:5]
 # the GGUF merges scored for pact_finetune (rounding / what is rounded): the export's default first (its figure), then
 # the merge before issue 49 (nearest rounding of the full-precision weights + the change)
-MERGES = (("gptq", "nvfp4"), ("nearest", "original"))
+# the GGUF's merges, `pact export`'s default first: rounding, what is rounded, size budget (1.0: no linear kept
+# 16-bit beyond those trained so)
+MERGES = (("gptq", "nvfp4", 1.3), ("gptq", "nvfp4", 1.0), ("nearest", "original", 1.0))
 REF = "peft_lora"
 NOISE = "peft_lora_dup"
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "main_job" / "results.json"
@@ -195,10 +197,10 @@ def as_used(adapter: Path) -> dict:
     del model
     variants, sizes = {}, []
     with tempfile.TemporaryDirectory() as tmp:
-        for rounding, source in MERGES:  # the export's default first
-            gguf = Path(tmp) / f"{rounding}-{source}.gguf"
-            export_gguf(adapter, gguf, score=False, rounding=rounding, requantize_from=source)
-            variants[f"{rounding}/{source}"] = llama_cpp_accuracy(gguf, tokenizer, heldout_items, labels)
+        for rounding, source, budget in MERGES:
+            gguf = Path(tmp) / f"{rounding}-{source}-{budget}.gguf"
+            export_gguf(adapter, gguf, score=False, rounding=rounding, requantize_from=source, size_budget=budget)
+            variants[f"{rounding}/{source}/{budget}"] = llama_cpp_accuracy(gguf, tokenizer, heldout_items, labels)
             sizes.append(gguf.stat().st_size)
     size = sizes[0]
     return {"as_used_accuracy": use_path, "gguf_accuracy": next(iter(variants.values())), "gguf_bytes": size,

@@ -220,7 +220,7 @@ def test_a_16bit_linear_is_a_16bit_ggml_tensor_merged_exactly(small_model, tmp_p
     model.save_pretrained(tmp_path / "adapter")
     out = tmp_path / "me.gguf"
     assert main(["export", "--format", "gguf", "--adapter", str(tmp_path / "adapter"), "--model", str(small_model),
-                 "--output", str(out)]) == 0  # fmt: skip
+                 "--output", str(out), "--size_budget", "1"]) == 0  # fmt: skip
     tensors = {t.name: t for t in gguf.GGUFReader(out).tensors}
     types = {name: tensors[f"blk.{b}.{short}.weight"].tensor_type.name for b in range(2)
              for module, short in LINEARS.items() for name in [f"model.layers.{b}.{module}"]}  # fmt: skip
@@ -239,7 +239,7 @@ def test_a_16bit_linear_is_a_16bit_ggml_tensor_merged_exactly(small_model, tmp_p
 def test_pact_export_gguf_merged_and_no_merge_and_llama_cpps_lora_refusal(small_model, tmp_path, capsys):
     adapter = _adapter(small_model, tmp_path / "adapter", seed=1)
     base = ["export", "--format", "gguf", "--adapter", str(adapter), "--model", str(small_model)]
-    assert main([*base, "--output", str(tmp_path / "me.gguf")]) == 0
+    assert main([*base, "--output", str(tmp_path / "me.gguf"), "--size_budget", "1.005"]) == 0  # room for a few
     out = capsys.readouterr().out
     assert "held-out accuracy: base" in out and f"exported {adapter} as gguf" in out  # the merge's report
     assert main([*base, "--no-merge", "--embeddings", "q8_0", "--output", str(tmp_path / "base.gguf")]) == 0
@@ -249,8 +249,12 @@ def test_pact_export_gguf_merged_and_no_merge_and_llama_cpps_lora_refusal(small_
     )
     merged = {t.name: t for t in gguf.GGUFReader(tmp_path / "me.gguf").tensors}
     unmerged = {t.name: t for t in gguf.GGUFReader(tmp_path / "base.gguf").tensors}
-    assert merged["blk.0.ffn_up.weight"].tensor_type == unmerged["blk.0.ffn_up.weight"].tensor_type == NVFP4
-    assert not np.array_equal(merged["blk.0.ffn_up.weight"].data, unmerged["blk.0.ffn_up.weight"].data)
+    linears = [name for name, t in unmerged.items() if t.tensor_type == NVFP4]
+    rounded = [name for name in linears if merged[name].tensor_type == NVFP4]
+    kept = [name for name in linears if merged[name].tensor_type == gguf.GGMLQuantizationType.F16]
+    # the size budget keeps the linears rounded worst 16-bit, and rounds the rest with the change merged
+    assert rounded and kept and len(rounded) + len(kept) == len(linears) == 14
+    assert not any(np.array_equal(merged[name].data, unmerged[name].data) for name in rounded)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "base.gguf", "me.gguf"]  # no leftovers
 
     lora = ["export", "--format", "gguf-lora", "--adapter", str(adapter), "--model", str(small_model)]

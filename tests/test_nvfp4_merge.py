@@ -7,6 +7,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from optimum_pact.commands.calibration import calibration_rows
 from optimum_pact.commands.modeling import PactModelForCausalLM
 from optimum_pact.commands.nvfp4_merge import export_nvfp4_merged, merged_weights
 from optimum_pact.dataflow import FrozenLinear
@@ -49,9 +50,49 @@ def test_rounding_the_original_weights_keeps_a_small_change_that_requantizing_lo
     assert sum(not isinstance(w, NVFP4Tensor) for w in weights.values()) == round(0.25 * 14)
 
 
+def test_the_size_budget_keeps_the_linears_rounded_worst_and_holds_the_size(small_model, small_delta):
+    pact = PactModelForCausalLM.from_pretrained(str(small_model), adapter=str(small_delta), dtype="float32")
+    layers = {n: m for n, m in pact.model.named_modules() if hasattr(m, "get_delta_weight")}
+    numel = {n.removeprefix("base_model.model."): m.in_features * m.out_features for n, m in layers.items()}
+    rest = sum(p.numel() for n, p in pact.model.named_parameters() if "lora_" not in n) * 2  # embeddings, norms
+    all_nvfp4 = rest + sum(numel.values()) * 0.5625  # 4 bits and one e4m3 scale per 16 weights
+
+    def merged(budget):
+        weights, _ = merged_weights(pact, "nvfp4", 0.0, rounding="gptq", size_budget=budget)
+        kept = [n for n, w in weights.items() if not isinstance(w, NVFP4Tensor)]
+        size = rest + sum(numel[n] * (2 if n in kept else 0.5625) for n in numel)
+        return weights, kept, size
+
+    none, kept_none, _ = merged(1.0)
+    budget = 1 + 0.3 * sum(numel.values()) * (2 - 0.5625) / all_nvfp4  # room for about a third of the linears
+    weights, kept, size = merged(budget)
+    assert not kept_none and 0 < len(kept) < len(numel) and size <= budget * all_nvfp4
+    assert all(size + numel[n] * (2 - 0.5625) > budget * all_nvfp4 for n in numel if n not in kept)  # none more fits
+
+    inputs = {}  # each linear's inputs on the training items, taken here from the running model
+    hooks = [m.register_forward_pre_hook(lambda mod, args, n=n: inputs.setdefault(n, []).append(args[0].flatten(0, 1)))
+             for n, m in layers.items()]  # fmt: skip
+    with torch.no_grad():
+        for ids in calibration_rows(pact.tokenizer, None):
+            pact.model(torch.tensor([ids]))
+    for hook in hooks:
+        hook.remove()
+    exact, _ = merged_weights(pact, "nvfp4", 1.0)  # every linear bf16: deq(Q(W)) + delta
+    moved = {}  # how far each linear's NVFP4 rounding moves its outputs
+    for name, xs in inputs.items():
+        short = name.removeprefix("base_model.model.")
+        x = torch.cat(xs).float()
+        moved[short] = float((x @ (none[short].dequantize(torch.float32) - exact[short].float()).T).pow(2).sum())
+    worst = sorted(moved, key=moved.get, reverse=True)
+    assert worst[0] in kept  # the linear rounded worst is kept, and the kept ones moved more than others would
+    assert sum(moved[n] for n in kept) > sum(moved[n] for n in worst[len(worst) - len(kept) :])
+
+
 def test_the_merged_folder_reloads_as_reported_and_computes_the_merge(small_model, small_delta, tmp_path):
     out = tmp_path / "merged"
-    report = export_nvfp4_merged(small_delta, out, str(small_model), requantize_from="nvfp4", keep_16bit=0.5)
+    report = export_nvfp4_merged(
+        small_delta, out, str(small_model), requantize_from="nvfp4", keep_16bit=0.5, size_budget=1.0
+    )
     saved = json.loads((out / "merge_report.json").read_text())
     assert saved["kept_16bit"] == report.kept_16bit and len(report.kept_16bit) == 7 and saved["metric"] == "accuracy"
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)

@@ -31,7 +31,7 @@ from .gguf_export import EMBEDDINGS, export_gguf
 from .gguf_lora import export_gguf_lora
 from .model_folder import adapter_loading, check_paths, load_causal_lm, load_tokenizer, resolve_model, written_aside
 from .modeling import read_adapter_config, trained_base
-from .nvfp4_merge import REQUANTIZE_FROM, ROUNDINGS, export_nvfp4_merged
+from .nvfp4_merge import REQUANTIZE_FROM, ROUNDINGS, SIZE_BUDGET, export_nvfp4_merged
 
 FORMATS = ("merged-bf16", "gguf-lora", "nvfp4-merged", "gguf")
 
@@ -64,9 +64,16 @@ class ExportArguments:
             "choices": list(REQUANTIZE_FROM),
         },
     )
+    size_budget: float = field(
+        default=SIZE_BUDGET,
+        metadata={
+            "help": "nvfp4-merged, gguf: the merged model's size at most, as a multiple of its all-NVFP4 size; within "
+            "it the linears whose rounding moves their outputs most stay bf16 (1: none beyond those trained 16-bit)."
+        },
+    )
     keep_16bit: float = field(
         default=0.0,
-        metadata={"help": "nvfp4-merged, gguf: the fraction of linears kept bf16, those whose rounding loses most."},
+        metadata={"help": "nvfp4-merged, gguf: a fraction of linears to keep bf16 as well, those rounded worst."},
     )
     rounding: str = field(
         default="gptq",
@@ -122,12 +129,12 @@ def export(args: ExportArguments) -> Path:
     if args.format == "gguf":
         return export_gguf(
             args.adapter, args.output, args.model, args.embeddings, not args.no_merge, args.data,
-            args.requantize_from, args.keep_16bit, rounding=args.rounding,
+            args.requantize_from, args.keep_16bit, rounding=args.rounding, size_budget=args.size_budget,
         )  # fmt: skip
     if args.format == "nvfp4-merged":
         report = export_nvfp4_merged(
             args.adapter, args.output, args.model, args.data, args.requantize_from, args.keep_16bit,
-            rounding=args.rounding,
+            rounding=args.rounding, size_budget=args.size_budget,
         )  # fmt: skip
         print(report.describe())
         return Path(args.output)

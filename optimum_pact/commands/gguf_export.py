@@ -34,7 +34,7 @@ from .gguf_lora import ARCHITECTURES, PERMUTED, TENSOR_NAMES, write_gguf_file
 from .llama_score import llama_cpp_accuracy, llama_cpp_available
 from .model_folder import check_adapter_folder, load_causal_lm, load_tokenizer, resolve_model
 from .modeling import read_adapter_config, trained_base
-from .nvfp4_merge import export_nvfp4_merged, save_merged, save_nvfp4_folder
+from .nvfp4_merge import SIZE_BUDGET, export_nvfp4_merged, save_merged, save_nvfp4_folder
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,7 @@ def export_gguf(
     keep_16bit: float = 0.0,
     score: bool = True,
     rounding: str = "gptq",
+    size_budget: float = SIZE_BUDGET,
 ) -> Path:
     """Write `adapter` (trained on `base`; None: the default model) merged into its NVFP4 base (`merge=False`: the
     base alone, as trained) as one GGUF at `output`, a new file. The merge is `--format nvfp4-merged`'s, scored on
@@ -93,10 +94,21 @@ def export_gguf(
             save_nvfp4_folder(model, load_tokenizer(path, base), folder)
             del model
         elif score:
-            report = export_nvfp4_merged(adapter, folder, base, data, requantize_from, keep_16bit, rounding=rounding)
+            report = export_nvfp4_merged(
+                adapter, folder, base, data, requantize_from, keep_16bit, rounding=rounding, size_budget=size_budget
+            )
             print(report.describe())
         else:
-            save_merged(adapter, folder, base, requantize_from, keep_16bit, rounding=rounding, data=data)
+            save_merged(
+                adapter,
+                folder,
+                base,
+                requantize_from,
+                keep_16bit,
+                rounding=rounding,
+                data=data,
+                size_budget=size_budget,
+            )
         write_gguf(folder, output, embeddings)
         if score and merge:
             _say_llama_cpp_score(output, folder, data)

@@ -11,8 +11,13 @@ target and the rounding are chosen apart, and the export measures what they keep
 - `rounding="gptq"` (default; `optimum_pact.nvfp4.gptq`): one input column at a time, each rounding error moved onto
   the columns not yet rounded, so that the layer's outputs on the person's own training items (`--data`,
   `calibration.py`) stay where the target puts them. `rounding="nearest"`: each weight to its nearest value alone.
-- `keep_16bit=FRACTION` on top: the linears whose rounding lost most of the delta stay bf16, holding
+- `size_budget=RATIO` (default 1.3) on top: the merged linears may weigh up to RATIO times their all-NVFP4 form
+  (the model's other tensors counted 16-bit); within it, the NVFP4 linears whose rounding moves their outputs most
+  (`||(Q - target) X^T||^2` on the training items under gptq, the weight error under nearest) stay bf16, holding
   `deq(Q(W)) + delta` exactly (listed in the config's `modules_to_not_convert`, so the folder reloads as saved).
+  On the main job (SmolLM2, 5 seeds) that is 10 of its 157 NVFP4 linears, and the GGUF's llama.cpp accuracy per
+  seed is in docs/benchmarks.md (bench_main_job.py). `keep_16bit=FRACTION` keeps that fraction of all linears the
+  same way, whatever their size.
 
 Linears the adapter was trained with 16-bit (AQLoRA's protected ones, a precision plan's fp16 ones) are never
 rounded to 4 bits: they stay 16-bit with the change merged exactly, listed the same way (and in ModelOpt's
@@ -52,6 +57,7 @@ logger = logging.getLogger(__name__)
 REQUANTIZE_FROM = ("nvfp4", "original")
 ROUNDINGS = ("gptq", "nearest")  # the merged NVFP4 weights: error-compensating on the training items, or each nearest
 WARN_BELOW = 0.8  # of the adapter's gain kept
+SIZE_BUDGET = 1.3  # the merged model's size, at most, as a multiple of its all-NVFP4 size: room for the worst linears
 
 
 @dataclass
@@ -63,7 +69,7 @@ class MergeReport:
     gain_kept: float | None  # (merged - base) / (adapter - base), the metric's sign taken into account; None if
     # the adapter gained nothing on these items
     requantize_from: str
-    kept_16bit: list[str]  # linears kept 16-bit (trained so, or kept by keep_16bit)
+    kept_16bit: list[str]  # linears kept 16-bit (trained so, or kept by size_budget / keep_16bit)
     delta_kept: float  # of the adapter's weight change, the share the merged weights hold (projection, all layers)
     rounding: str = "nearest"  # how the NVFP4 linears were rounded: gptq (on the training items) or nearest
 
@@ -95,7 +101,9 @@ def _original_weights(folder: Path, names: list[str]) -> dict[str, torch.Tensor]
         ) from None
 
 
-def check_merge_options(requantize_from: str, keep_16bit: float, rounding: str = "nearest") -> None:
+def check_merge_options(
+    requantize_from: str, keep_16bit: float, rounding: str = "nearest", size_budget: float = 1.0
+) -> None:
     if rounding not in ROUNDINGS:
         raise OptionError("rounding", f"rounding={rounding!r} is not one of {', '.join(ROUNDINGS)}")
     if requantize_from not in REQUANTIZE_FROM:
@@ -104,6 +112,12 @@ def check_merge_options(requantize_from: str, keep_16bit: float, rounding: str =
     if isinstance(keep_16bit, bool) or not isinstance(keep_16bit, (int, float)) or not 0.0 <= keep_16bit <= 1.0:
         raise OptionError(
             "keep_16bit", f"keep_16bit={keep_16bit!r} is not a fraction; pass a number from 0 to 1, e.g. 0.25"
+        )
+    if isinstance(size_budget, bool) or not isinstance(size_budget, (int, float)) or not size_budget >= 1.0:
+        raise OptionError(
+            "size_budget",
+            f"size_budget={size_budget!r} is not a size ratio of at least 1 (the all-NVFP4 model's size); pass e.g. "
+            "1.3, or 1 to keep no linear 16-bit beyond those trained so",
         )
 
 
@@ -114,11 +128,13 @@ def merged_weights(
     keep_16bit: float,
     rounding: str = "nearest",
     data: str | None = None,
+    size_budget: float = 1.0,
 ) -> tuple[dict[str, NVFP4Tensor | torch.Tensor], float]:
     """`{linear name: its merged weight}` (NVFP4, or a bf16 tensor for the kept linears) and the share of the
     adapter's weight change the merged weights hold. `rounding="gptq"` rounds each NVFP4 linear with GPTQ, on the
-    moments of its inputs over `data`'s training items (`calibration.py`)."""
-    check_merge_options(requantize_from, keep_16bit, rounding)
+    moments of its inputs over `data`'s training items (`calibration.py`); `size_budget` and `keep_16bit` keep the
+    linears it rounds worst bf16 (`kept_16bit`)."""
+    check_merge_options(requantize_from, keep_16bit, rounding, size_budget)
     layers = {name.removeprefix("base_model.model."): m for name, m in pact.model.named_modules()}
     layers = {name: m for name, m in layers.items() if isinstance(m, PactLoraLinear)}
     packed = [name for name, m in layers.items() if m.get_base_layer().precision == "nvfp4"]
@@ -128,7 +144,7 @@ def merged_weights(
         hessians = input_hessians(pact.model, {name: layers[name] for name in packed}, rows)
     originals = _original_weights(Path(pact.base_path), packed) if requantize_from == "original" else {}
     adapter = pact.model.active_adapter
-    merged, lost, dots, norm = {}, {}, {}, 0.0
+    merged, lost, dots, norm, moved = {}, {}, {}, 0.0, {}
 
     def held(name: str, weight: NVFP4Tensor | torch.Tensor, trained: torch.Tensor, delta: torch.Tensor) -> None:
         """Record `weight` for `name`: how far its change from the trained base is from the delta, and along it."""
@@ -147,13 +163,36 @@ def merged_weights(
             continue
         target = originals.pop(name, trained) + delta
         held(name, gptq_quantize(target, hessians[name]) if name in hessians else quantize(target), trained, delta)
-    rounded = {name: value for name, value in lost.items() if isinstance(merged[name], NVFP4Tensor)}
-    for name in sorted(rounded, key=rounded.get, reverse=True)[: round(keep_16bit * len(lost))]:
+        error = merged[name].dequantize(torch.float32) - target
+        moved[name] = float((error @ hessians[name] * error).sum()) if name in hessians else lost[name]
+    for name in linears_kept_16bit(pact.model, layers, moved, keep_16bit, size_budget):
         layer = layers[name]
         trained = layer.get_base_layer().dequantize(torch.float32)
         delta = layer.get_delta_weight(adapter).float()
         held(name, (trained + delta).to(torch.bfloat16), trained, delta)
     return merged, sum(dots.values()) / norm if norm else 1.0
+
+
+def linears_kept_16bit(
+    model, layers: dict, moved: dict[str, float], keep_16bit: float, size_budget: float
+) -> list[str]:
+    """The NVFP4 linears (`moved`: how far each one's rounding moves what it computes) to keep bf16: the worst
+    `keep_16bit` fraction of all linears, and the worst that fit while the weights stay within `size_budget` times
+    their all-NVFP4 size (NVFP4: 4.5 bits a weight with its e4m3 block scales; the rest 16-bit)."""
+    numel = {name: layer.in_features * layer.out_features for name, layer in layers.items()}
+    frozen = {id(p) for m in model.modules() if isinstance(m, FrozenLinear) for p in m.parameters()}
+    rest = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n and id(p) not in frozen)
+    packed_bytes = 0.5 + 1 / BLOCK_SIZE
+    size = 2 * rest + sum(n * (packed_bytes if name in moved else 2) for name, n in numel.items())
+    room = size_budget * (2 * rest + packed_bytes * sum(numel.values())) - size
+    worst = sorted(moved, key=moved.get, reverse=True)
+    keep = set(worst[: round(keep_16bit * len(layers))])
+    for name in worst:
+        cost = numel[name] * (2 - packed_bytes)
+        if name not in keep and cost <= room:
+            keep.add(name)
+            room -= cost
+    return [name for name in worst if name in keep]
 
 
 def _merged_model(path: str, weights: dict[str, NVFP4Tensor | torch.Tensor], torch_dtype: torch.dtype):
@@ -207,14 +246,15 @@ def save_merged(
     dtype: str = "auto",
     rounding: str = "gptq",
     data: str | None = None,
+    size_budget: float = SIZE_BUDGET,
 ) -> Path:
     """`export_nvfp4_merged`'s folder without its scoring (no report): for a merge made again and again, such as
     the GGUF `pact generate --engine llama.cpp` keeps beside an adapter. Returns `output`."""
     adapter, output = check_paths(adapter, output)
-    check_merge_options(requantize_from, keep_16bit, rounding)
+    check_merge_options(requantize_from, keep_16bit, rounding, size_budget)
     pact = PactModelForCausalLM.from_pretrained(base, adapter=str(adapter), dtype=dtype)
     torch_dtype = pact.precisions.dtype
-    weights, _ = merged_weights(pact, requantize_from, keep_16bit, rounding, data)
+    weights, _ = merged_weights(pact, requantize_from, keep_16bit, rounding, data, size_budget)
     path, tokenizer = pact.base_path, pact.tokenizer
     del pact
     model = _merged_model(path, weights, torch_dtype)
@@ -236,16 +276,17 @@ def export_nvfp4_merged(
     keep_16bit: float = 0.0,
     dtype: str = "auto",
     rounding: str = "gptq",
+    size_budget: float = SIZE_BUDGET,
 ) -> MergeReport:
     """Merge `adapter` into its NVFP4 base, save the result at `output` (ModelOpt layout, loadable with
     `AutoModelForCausalLM.from_pretrained(output)` once optimum_pact is imported) and report what the merge kept,
     scored on `data`'s held-out items (default: the main job's data). `dtype`: the one the adapter was trained in
     (the NVFP4 base is quantized from the weights in that dtype; "auto": the one the adapter records)."""
     adapter, output = check_paths(adapter, output)
-    check_merge_options(requantize_from, keep_16bit, rounding)
+    check_merge_options(requantize_from, keep_16bit, rounding, size_budget)
     pact = PactModelForCausalLM.from_pretrained(base, adapter=str(adapter), dtype=dtype)
     torch_dtype = pact.precisions.dtype
-    weights, delta_kept = merged_weights(pact, requantize_from, keep_16bit, rounding, data)
+    weights, delta_kept = merged_weights(pact, requantize_from, keep_16bit, rounding, data, size_budget)
     kept = [name for name, weight in weights.items() if not isinstance(weight, NVFP4Tensor)]
     form, train, heldout = load_data(data)
     tokenizer = pact.tokenizer
@@ -281,8 +322,8 @@ def export_nvfp4_merged(
     if report.gain_kept is not None and report.gain_kept < WARN_BELOW:
         logger.warning(
             "the NVFP4 merge kept %.0f%% of the adapter's gain (%s). Keep the linears that lose most 16-bit "
-            "(--keep_16bit 0.25, or more), or use the adapter unmerged (pact generate --adapter) or as a "
-            "llama.cpp LoRA (--format gguf-lora).",
+            "(a --size_budget above 1.3, or --keep_16bit 0.25), or use the adapter unmerged (pact generate "
+            "--adapter) or as a llama.cpp LoRA (--format gguf-lora).",
             100 * report.gain_kept,
             report.describe(),
         )
@@ -292,6 +333,7 @@ def export_nvfp4_merged(
 __all__ = [
     "MergeReport",
     "REQUANTIZE_FROM",
+    "SIZE_BUDGET",
     "export_nvfp4_merged",
     "merged_weights",
     "modelopt_config",
