@@ -119,6 +119,39 @@ def _excess(torch, got, a, w) -> float:
     return float(((got.double() - ref).abs() / (bound + 1e-30)).max())
 
 
+def check_fallback(torch, failures: list[str]) -> dict:
+    """The guard a run relies on: the self-check passes on this GPU in each dtype, and a kernel that fails at launch
+    (a fault put in here) sends the products down the torch path, equal to PACT_DISABLE_TRITON=1's, said once."""
+    from optimum_pact.backends import triton_dispatch as dispatch
+    from optimum_pact.backends.torch_backend import TorchBackend
+    from optimum_pact.nvfp4 import quantize
+
+    found = {str(dtype): dispatch.self_check(torch.device(DEVICE), dtype) for dtype in dispatch.DTYPES}
+    failures += [f"self-check: {why}" for why in found.values() if why is not None]
+    weight = quantize(torch.randn(576, 1536, device=DEVICE) * 0.05)
+    x = torch.randn(7, 1536, device=DEVICE, dtype=torch.bfloat16)
+    os.environ["PACT_DISABLE_TRITON"] = "1"
+    want = TorchBackend().forward(x, weight)
+    os.environ.pop("PACT_DISABLE_TRITON")
+    kernels, real = dispatch.kernels(), dispatch.kernels().forward
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("launch failed (a fault put here by bench_gpu.py --check)")
+
+    kernels.forward = broken
+    try:
+        backend = TorchBackend()
+        got = backend.forward(x, weight)
+    finally:
+        kernels.forward = real
+    why = dispatch.disabled_because()
+    dispatch._state.update(why=None, checked=set())
+    fell_back = torch.equal(got, want) and "triton_forward" not in backend.counts and "launch failed" in (why or "")
+    if not fell_back:
+        failures.append(f"a failing kernel did not fall back to the torch path (counts {dict(backend.counts)})")
+    return {"self_check": found, "fallback_equal_to_torch_path": fell_back}
+
+
 def check(torch) -> dict:
     """The kernels' numerics on this device; raises SystemExit(1) after printing the failures."""
     from optimum_pact.backends import get_backend
@@ -164,8 +197,9 @@ def check(torch) -> dict:
         failures.append(f"FrozenLinear on CUDA did not run the kernels once each: counts {counts}")
     if not max(rel) < 2**-7:
         failures.append(f"FrozenLinear through the kernels vs the torch path: relative difference {rel}")
+    guard = check_fallback(torch, failures)
     report = {"pass": not failures, "failures": failures, "worst_excess": max(worst.values()), "cases": worst,
-              "frozen_linear_vs_torch_path": rel}  # fmt: skip
+              "frozen_linear_vs_torch_path": rel, "self_check_and_fallback": guard}  # fmt: skip
     if failures:
         print(json.dumps({"bench": "gpu", "check": report}))
         log("CHECK FAILED:\n  " + "\n  ".join(failures))

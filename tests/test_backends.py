@@ -86,15 +86,23 @@ def test_cpu_tensors_go_to_the_triton_kernels_only_under_the_interpreter_asked_t
     assert not triton_dispatch.runs_on_triton(x, weight)
 
 
-def test_a_triton_that_does_not_load_is_an_error_saying_what_to_do(monkeypatch):
+def test_a_triton_that_does_not_load_sends_the_products_to_torch_with_one_warning(monkeypatch, caplog):
+    from optimum_pact.nvfp4 import quantize
+
     def broken(name, package=None):
         raise RuntimeError("0 active drivers")
 
     monkeypatch.setattr(triton_dispatch.importlib, "import_module", broken)
-    with pytest.raises(
-        BackendUnavailableError, match=r"did not load \(RuntimeError: 0 active drivers\).*PACT_DISABLE_TRITON=1"
-    ):
-        triton_dispatch.kernels.__wrapped__()  # past the cache of the loaded module
+    monkeypatch.setattr(triton_dispatch, "_state", {"why": None, "checked": set()})
+    triton_dispatch.kernels.cache_clear()  # past the cache of the loaded module
+    weight, x = quantize(torch.randn(32, 64)), torch.randn(4, 64)
+    with caplog.at_level("WARNING", logger=triton_dispatch.__name__):
+        assert triton_dispatch.triton_product("forward", x, weight) is None  # the caller runs the torch path
+        assert triton_dispatch.triton_product("input_grad", torch.randn(4, 32), weight) is None
+    assert "RuntimeError" in triton_dispatch.disabled_because() and "0 active drivers" in caplog.text
+    assert len(caplog.records) == 1 and "PACT_DISABLE_TRITON=1" in caplog.text
+    assert not triton_dispatch.runs_on_triton(x, weight)  # off for the rest of the process
+    triton_dispatch.kernels.cache_clear()
 
 
 @needs_qnn

@@ -128,6 +128,50 @@ def _autograd() -> dict:
     }
 
 
+def _fallback() -> dict:
+    import logging
+
+    from optimum_pact.backends import triton_dispatch as dispatch
+    from optimum_pact.backends.torch_backend import TorchBackend
+    from optimum_pact.nvfp4 import dequantize_reference, quantize
+
+    torch.manual_seed(0)
+    weight = quantize(torch.randn(40, 48))
+    x, dy = torch.randn(3, 48, dtype=torch.bfloat16), torch.randn(3, 40, dtype=torch.bfloat16)
+    out = {"self_check": {str(dtype): dispatch.self_check(torch.device("cpu"), dtype) for dtype in DTYPES.values()}}
+    row = torch.randn(48, 2).to(torch.bfloat16)[:, :1].T  # [1, K] whose elements are 2 apart in memory
+    w = dequantize_reference(weight.qdata, weight.scale, weight.scale_2, torch.bfloat16)
+    out["strided_row_excess"] = _excess(dispatch.kernels().forward(row, weight), row, w)
+    os.environ["PACT_DISABLE_TRITON"] = "1"
+    plain = TorchBackend()
+    reference = plain.forward(x, weight), plain.input_grad(dy, weight)
+    os.environ.pop("PACT_DISABLE_TRITON")
+    warned = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())
+    logging.getLogger(dispatch.__name__).addHandler(handler)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("PTX compile failed (a fault put here by the test)")
+
+    kernels, real = dispatch.kernels(), dispatch.kernels().forward
+    for fault, replacement in (("launch", broken), ("mismatch", lambda a, w: torch.zeros(a.shape[0], w.shape[0]))):
+        dispatch._state.update(why=None, checked=set())
+        kernels.forward = replacement
+        backend = TorchBackend()
+        got = backend.forward(x, weight), backend.input_grad(dy, weight), backend.forward(x, weight)
+        kernels.forward = real
+        out[fault] = {
+            "equal_to_torch_path": all(torch.equal(a, b) for a, b in zip(got, (*reference, reference[0]))),
+            "counts": dict(backend.counts),
+            "why": dispatch.disabled_because(),
+            "warnings": len(warned),
+        }
+        warned.clear()
+    dispatch._state.update(why=None, checked=set())
+    return out
+
+
 @pytest.fixture(scope="module")
 def interpreted():
     """This file run as a script under Triton's interpreter: {case: measurement}."""
@@ -165,6 +209,17 @@ def test_frozen_linear_trains_through_the_kernels_as_on_the_cpu_path(interpreted
     assert found["product_excess"] <= 1
 
 
+def test_a_failing_or_wrong_kernel_falls_back_to_the_torch_path_for_the_process_and_says_so_once(interpreted):
+    found = interpreted["fallback"]
+    assert found["self_check"] == {str(dtype): None for dtype in DTYPES.values()}  # the kernels pass their check
+    assert found["strided_row_excess"] <= 1  # one row, its elements not adjacent: copied before the kernel reads it
+    for fault, why in (("launch", "PTX compile failed"), ("mismatch", "forward kernel disagrees")):
+        case = found[fault]
+        assert case["equal_to_torch_path"], fault  # exactly what PACT_DISABLE_TRITON=1 computes
+        assert case["counts"] == {"forward": 2, "input_grad": 1}, fault  # nothing counted as run in the kernels
+        assert why in case["why"] and case["warnings"] == 1, case
+
+
 def test_the_core_imports_and_computes_without_importing_triton():
     code = (
         "import sys, torch; from optimum_pact.backends import get_backend; from optimum_pact.nvfp4 import quantize;"
@@ -179,4 +234,8 @@ def test_the_core_imports_and_computes_without_importing_triton():
 
 
 if __name__ == "__main__":  # the child process of `interpreted`
-    print(json.dumps({"numerics": _numerics(), "dispatch": _dispatch(), "autograd": _autograd()}))
+    print(
+        json.dumps(
+            {"numerics": _numerics(), "dispatch": _dispatch(), "autograd": _autograd(), "fallback": _fallback()}
+        )
+    )

@@ -9,6 +9,8 @@ import torch
 
 from ..nvfp4 import NVFP4Tensor
 
+TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # the activation dtypes the Triton kernels take
+
 
 class BackendUnavailableError(RuntimeError):
     """A backend's runtime (an optional package, a device, a driver) is missing or cannot start.

@@ -11,7 +11,7 @@ import torch
 from ..nvfp4 import NVFP4Tensor, dequantize
 from ..nvfp4.kernels import NativeLinear, native_available
 from ..precision import native_bf16
-from .triton_dispatch import kernels, runs_on_triton
+from .triton_dispatch import runs_on_triton, triton_product
 
 # Rows up to which inference (no autograd) runs the fused product; training keeps the dequantize-then-multiply path,
 # so forward, recomputation and input gradient always see the same effective weights in the same dtype.
@@ -146,9 +146,9 @@ class TorchBackend:
     def _forward(self, x: torch.Tensor, handle: NVFP4Tensor | torch.Tensor) -> torch.Tensor:
         if isinstance(handle, torch.Tensor):
             return _matmul(x, handle.to(x.dtype).t())
-        if runs_on_triton(x, handle):
+        if runs_on_triton(x, handle) and (out := triton_product("forward", x, handle)) is not None:
             self.counts["triton_forward"] += 1
-            return kernels().forward(x, handle)
+            return out
         n, k = handle.shape
         if self._fused(x, handle):
             return self.native_linear(handle).run(x)
@@ -165,9 +165,9 @@ class TorchBackend:
     def _input_grad(self, dy: torch.Tensor, handle: NVFP4Tensor | torch.Tensor) -> torch.Tensor:
         if isinstance(handle, torch.Tensor):
             return _matmul(dy, handle.to(dy.dtype))
-        if runs_on_triton(dy, handle):
+        if runs_on_triton(dy, handle) and (out := triton_product("input_grad", dy, handle)) is not None:
             self.counts["triton_input_grad"] += 1
-            return kernels().input_grad(dy, handle)
+            return out
         n, k = handle.shape
         tile = self.tile_size or k
         if tile >= k:

@@ -8,6 +8,13 @@ Each program dequantizes the weight tile it needs in registers, with the referen
 own matmul) and the result is rounded once into the activation dtype. No dequantized or transposed weight is ever
 written to memory.
 
+Tiles are autotuned per (rows bucket, N, K, dtype) among a few configurations (`CONFIGS`): small-row ones with
+narrow column tiles, so that a decoding step (one row) still spreads over many programs, ones within the 64 KiB of
+shared memory of the smaller cards, and the large tiles of the big ones (a configuration a card cannot hold is
+skipped by the tuner). The tuning times each candidate once per key in a process; sums stay fp32 whichever wins, so
+two processes agree within one rounding of the activation dtype, not always bit for bit. Explicit `blocks` (the
+tests, and the interpreter, which cannot time) bypass it.
+
 The codes and scales are decoded with integer ops and bit casts, not the GPU's fp8 conversions, so the kernels run on
 any GPU Triton supports (the consumer cards before fp8 too), and under `TRITON_INTERPRET=1` on the CPU, which is how
 the tests check them without a GPU (tests/test_triton_kernels.py). This module imports triton: import it only where
@@ -23,9 +30,38 @@ import triton
 import triton.language as tl
 
 from ..nvfp4 import NVFP4Tensor
-from .triton_dispatch import DTYPES
+from .base import TRITON_DTYPES as DTYPES
 
 GROUP_M = 8  # row tiles visited together, so neighbouring programs share weight tiles in L2
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): decoding (few rows, narrow column tiles: more programs), then
+# tiles within 64 KiB of shared memory (T4, consumer cards), then the big cards' (about 78 KiB and more)
+CONFIGS = (
+    (16, 32, 128, 4, 3), (16, 64, 64, 4, 3), (16, 64, 128, 4, 2),
+    (32, 64, 64, 4, 3), (64, 64, 64, 4, 3), (64, 128, 64, 4, 2), (128, 64, 64, 4, 3),
+    (128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 256, 64, 8, 3),
+)  # fmt: skip
+
+
+def _rows_bucket(m: int) -> int:
+    """The autotuning key for `m` rows: 1, 16, 64, 256 or more (a new length of text does not re-tune)."""
+    return 1 if m <= 1 else 16 if m <= 16 else 64 if m <= 64 else 256
+
+
+def _fitting(configs, named_args, **kwargs):
+    """Drop configurations whose row tile is far larger than the rows (a decoding step needs no 128-row tile)."""
+    rows = max(16, named_args["M_BUCKET"])
+    kept = [c for c in configs if c.kwargs["BLOCK_M"] <= rows] or list(configs)
+    return kept
+
+
+def _tuned(kernel):
+    configs = [
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
+        for m, n, k, warps, stages in CONFIGS
+    ]
+    return triton.autotune(
+        configs, key=["M_BUCKET", "N", "K", "PRECISION"], prune_configs_by={"early_config_prune": _fitting}
+    )(kernel)
 
 
 @triton.jit
@@ -102,9 +138,10 @@ def _tile_ids(M, COLS, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, GROUP: tl.c
     return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
 
 
+@_tuned
 @triton.jit
 def _forward_kernel(
-    x_ptr, q_ptr, s_ptr, s2_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_sn, stride_ym,
+    x_ptr, q_ptr, s_ptr, s2_ptr, y_ptr, M, N, K, stride_xm, stride_qn, stride_sn, stride_ym, M_BUCKET,
     PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
@@ -130,9 +167,10 @@ def _forward_kernel(
     tl.store(y_ptr + rows * stride_ym + offs_n[None, :], y, mask=mask)
 
 
+@_tuned
 @triton.jit
 def _input_grad_kernel(
-    dy_ptr, q_ptr, s_ptr, s2_ptr, dx_ptr, M, N, K, stride_dym, stride_qn, stride_sn, stride_dxm,
+    dy_ptr, q_ptr, s_ptr, s2_ptr, dx_ptr, M, N, K, stride_dym, stride_qn, stride_sn, stride_dxm, M_BUCKET,
     PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
@@ -158,13 +196,12 @@ def _input_grad_kernel(
 
 
 def blocks_for(m: int, dtype: torch.dtype) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for `m` activation rows: fixed per shape class, so a
-    product's summation order never depends on a timing (no autotuning). 16-bit: tensor-core tiles that fit the
-    shared memory of consumer cards too; fp32: smaller tiles (its exact products run on the CUDA cores)."""
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for `m` activation rows where nothing is timed (the
+    interpreter): small tiles for few rows, and fp32's smaller ones (its exact products run on the CUDA cores)."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     if dtype == torch.float32:
-        return min(block_m, 64), 64, 32, 4, 2
-    return block_m, 128, 64, 4 if block_m <= 64 else 8, 3
+        return block_m, 64, 32, 4, 2
+    return block_m, 64, 64, 4, 2
 
 
 def _checked(a: torch.Tensor, weight: NVFP4Tensor, width: int, what: str) -> torch.Tensor:
@@ -178,7 +215,7 @@ def _checked(a: torch.Tensor, weight: NVFP4Tensor, width: int, what: str) -> tor
     if a.device != weight.qdata.device:
         raise ValueError(f"{what} is on {a.device} but the NVFP4 weight is on {weight.qdata.device}; move one of them")
     a = a.reshape(-1, width)
-    return a if a.stride(-1) == 1 or a.shape[0] <= 1 else a.contiguous()
+    return a if a.stride(-1) == 1 else a.contiguous()  # the kernels step along a row by 1, whatever M is
 
 
 def _launch(kernel, a: torch.Tensor, weight: NVFP4Tensor, out_cols: int, blocks, columns_by_k: bool) -> torch.Tensor:
@@ -191,25 +228,33 @@ def _launch(kernel, a: torch.Tensor, weight: NVFP4Tensor, out_cols: int, blocks,
         return out
     if a.shape[1] == 0:
         return out.zero_()
-    block_m, block_n, block_k, warps, stages = blocks or blocks_for(m, a.dtype)
     qdata = weight.qdata if weight.qdata.stride(-1) == 1 else weight.qdata.contiguous()
     scale = weight.scale.view(torch.uint8)
     scale = scale if scale.stride(-1) == 1 else scale.contiguous()
     scale_2 = weight.scale_2.to(device=a.device, dtype=torch.float32)
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(out_cols, block_k if columns_by_k else block_n),)
+
+    def grid(meta):
+        return (
+            triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(out_cols, meta["BLOCK_K" if columns_by_k else "BLOCK_N"]),
+        )
+
+    args = (a, qdata, scale, scale_2, out, m, n, k, a.stride(0), qdata.stride(0), scale.stride(0), out.stride(0),
+            _rows_bucket(m))  # fmt: skip
+    common = {"PRECISION": "ieee" if a.dtype == torch.float32 else "tf32", "GROUP": GROUP_M,
+              "INTERPRETED": a.is_cpu}  # a CPU tensor: under TRITON_INTERPRET=1  # fmt: skip
     with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
-        kernel[grid](
-            a, qdata, scale, scale_2, out, m, n, k, a.stride(0), qdata.stride(0), scale.stride(0), out.stride(0),
-            PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-            INTERPRETED=a.is_cpu,  # a CPU tensor: under TRITON_INTERPRET=1
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP=GROUP_M, num_warps=warps, num_stages=stages,
-        )  # fmt: skip
+        if blocks is None and not a.is_cpu:
+            kernel[grid](*args, **common)  # autotuned
+        else:
+            block_m, block_n, block_k, warps, stages = blocks or blocks_for(m, a.dtype)
+            kernel.fn[grid](*args, **common, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+                            num_stages=stages)  # fmt: skip
     return out
 
 
 def forward(x: torch.Tensor, weight: NVFP4Tensor, blocks: tuple[int, ...] | None = None) -> torch.Tensor:
     """`x [..., K] @ deq(W).T` -> [..., N] in x's dtype. `blocks` (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
-    overrides `blocks_for`: BLOCK_K a multiple of 16, each a power of two."""
+    fixes the tiles instead of the tuner (BLOCK_K a multiple of 16, each a power of two)."""
     n, k = weight.shape
     a = _checked(x, weight, k, "x")
     return _launch(_forward_kernel, a, weight, n, blocks, False).reshape(*x.shape[:-1], n)
