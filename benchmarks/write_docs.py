@@ -167,8 +167,8 @@ def personalization_30steps(results: dict) -> str:
     "python benchmarks/bench_main_job.py --output benchmarks/results/main_job_as_used/results.json",
     note="pact finetune's summary reports the saved adapter as `pact generate` loads it (its 16-bit linears and "
     "dtype rebuilt); `as used` is that adapter scored again through PactModelForCausalLM in another process, and "
-    "`GGUF in llama.cpp` the `pact export --format gguf` file (GPTQ merge) scored by llama.cpp; stock arms: the "
-    "saved adapter merged into their base by peft's merge_and_unload",
+    "`GGUF in llama.cpp` the `pact export --format gguf` file (GPTQ merge, size budget 1.3) scored by llama.cpp; "
+    "stock arms: the saved adapter merged into their base by peft's merge_and_unload",
 )
 def main_job_as_used(results: dict) -> str:
     table = bench_main_job.markdown_table(results)
@@ -176,8 +176,8 @@ def main_job_as_used(results: dict) -> str:
     if not runs:
         return table
     merges = list(runs[0]["gguf_variants"])
-    lines = ["", "The GGUF's merge, llama.cpp's held-out accuracy per seed (rounding / what is rounded; the first is "
-             "`pact export`'s default):", "", "| seed | summary | " + " | ".join(merges) + " |",
+    lines = ["", "The GGUF's merge, llama.cpp's held-out accuracy per seed (rounding / what is rounded / "
+             "size budget, the first `pact export`'s default):", "", "| seed | summary | " + " | ".join(merges) + " |",
              "|---" * (2 + len(merges)) + "|"]  # fmt: skip
     for run in sorted(runs, key=lambda r: r["seed"]):
         cells = " | ".join(f"{100 * run['gguf_variants'][m]:.1f}" for m in merges)
@@ -346,6 +346,30 @@ def train_step(results: dict) -> str:
     for name, ratio in results["ratios"].items():
         sessions = ", ".join(f"{r:.3f}" for r in ratio["sessions"])
         lines.append(f"| {name} | {ratio['median']:.3f} | {sessions} |")
+    return "\n".join(lines)
+
+
+@section(
+    "cli_latency",
+    "How long an answer takes: the README's use commands as whole processes",
+    "python benchmarks/bench_cli_latency.py --adapter pact-output/adapter",
+    note="the main job's adapter; the default model and, for --engine llama.cpp, the adapter's GGUF cached; "
+    "each command a fresh process, the commands in turn",
+)
+def cli_latency(results: dict) -> str:
+    lines = [
+        f'`pact` start to exit after the answer, {results["rounds"]} rounds, prompt "{results["prompt"]}" (chat: '
+        "the same line piped in, its first answer).",
+        "",
+        "| command | median (s) | min | max | target | answer |",
+        "|---|---|---|---|---|---|",
+    ]
+    for arm, figures in results["summary"].items():
+        target = results["targets"].get(arm, {})
+        bound = f"{target['target']} s: {'met' if target['met'] else 'missed'}" if target else "-"
+        answer = results["answers"].get(arm, "")
+        lines.append(f"| `{arm}` | {figures['median_s']:.2f} | {figures['min_s']:.2f} | {figures['max_s']:.2f} | "
+                     f"{bound} | {answer} |")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -4,38 +4,35 @@ The library below `optimum_pact.commands` needs torch and transformers only; `op
 application (the `pact` CLI and the main job), the one part that assembles a run from peft, `peft_ext` and
 `trainer_callbacks`.
 
-`PactQuantizationConfig` loads on first use (`from optimum_pact import PactQuantizationConfig`, or importing
-`optimum_pact.quantizer`), and that registers the `pact` quantization method with transformers. It is not imported
-with the package: `transformers.quantizers` imports every quantization library installed (torchao, which logs
+Every name loads on first use: importing the package imports nothing heavy. `PactQuantizationConfig` (`from
+optimum_pact import PactQuantizationConfig`, or importing `optimum_pact.quantizer`) registers the `pact` quantization
+method with transformers; `transformers.quantizers` imports every quantization library installed (torchao, which logs
 warnings as it loads), and a run that loads no model (`pact --help`) should neither wait for nor hear from them.
 """
 
-from .backends import get_backend
-from .dataflow import FrozenLinear
-from .fusion import fuse_cpu_ops
-from .memory import HeapTrimmer, MemorySavers, pin_mmap_threshold, trim_heap
-from .nvfp4 import NVFP4Tensor, quantize
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "FrozenLinear",
-    "HeapTrimmer",
-    "MemorySavers",
-    "NVFP4Tensor",
-    "PactQuantizationConfig",
-    "__version__",
-    "fuse_cpu_ops",
-    "get_backend",
-    "pin_mmap_threshold",
-    "quantize",
-    "trim_heap",
-]
+# name -> the submodule that defines it: imported on first use (PEP 562), so that `import optimum_pact` (and the
+# `pact` CLI's paths that need no model, such as `--engine llama.cpp` with its GGUF cached) does not import torch
+_EXPORTS = {
+    "FrozenLinear": ".dataflow",
+    "HeapTrimmer": ".memory",
+    "MemorySavers": ".memory",
+    "NVFP4Tensor": ".nvfp4",
+    "PactQuantizationConfig": ".quantizer",  # registers quant_method "pact" with transformers
+    "fuse_cpu_ops": ".fusion",
+    "get_backend": ".backends",
+    "pin_mmap_threshold": ".memory",
+    "quantize": ".nvfp4",
+    "trim_heap": ".memory",
+}
+
+__all__ = sorted([*_EXPORTS, "__version__"])
 
 
 def __getattr__(name: str):
-    if name == "PactQuantizationConfig":
-        from .quantizer import PactQuantizationConfig  # registers quant_method "pact" with transformers
-
-        return PactQuantizationConfig
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -71,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def generation_main(command: str, argv: list[str]) -> int:
+    from .llama_quick import quick_run
+
+    done = quick_run(command, argv)  # --engine llama.cpp with the GGUF cached: llama.cpp alone, no torch import
+    if done is not None:
+        return done
     from transformers.utils.logging import disable_progress_bar
 
     from ..backends import BackendUnavailableError

@@ -13,42 +13,26 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from transformers import HfArgumentParser, TextStreamer
 
 from peft_ext.options import PactOptions, derived_options
 
 from ..precision import DTYPES
-from .llama_engine import ENGINES, LlamaCppModel, llama_cpp_model
+from .generate_options import EngineArguments, adapter_folders, check_context, converse, stdin_lines
 from .modeling import PactModelForCausalLM
+
+if TYPE_CHECKING:
+    from .llama_engine import LlamaCppModel
 
 
 @dataclass
-class _GenerateOwn:
-    model: str | None = field(default=None, metadata={"help": "Base model folder or Hub id (default: SmolLM2)."})
-    adapter: list[str] = field(
-        default_factory=list,
-        metadata={
-            "help": "Adapter folder, or NAME=FOLDER; repeat the flag to load several people's adapters on one base.",
-            "action": "append",
-        },
-    )
-    use: str | None = field(default=None, metadata={"help": "The adapter NAME to generate with (default: the first)."})
-    max_new_tokens: int = field(
-        default=256,
-        metadata={"help": "Tokens to generate at most; generation stops at the end of sequence before that."},
-    )
-    temperature: float = field(default=0.0, metadata={"help": "0: greedy; above 0: sampling at this temperature."})
-    top_p: float = field(default=1.0, metadata={"help": "Sampling: nucleus probability mass."})
+class _PactEngineOwn:
     dtype: str = field(
         default="auto",
         metadata={"help": "Compute dtype; auto: bfloat16 (the frozen weights stay NVFP4 either way).",
                   "choices": list(DTYPES)},
-    )  # fmt: skip
-    engine: str = field(
-        default="pact",
-        metadata={"help": "What decodes: pact (the NVFP4 base + the adapter, on --backend), or llama.cpp (the adapter "
-                  "merged and exported once to a GGUF beside it; needs the llama extra).", "choices": list(ENGINES)},
     )  # fmt: skip
 
 
@@ -56,19 +40,9 @@ BackendArguments = derived_options("BackendArguments", PactOptions, ("backend", 
 
 
 @dataclass
-class GenerateArguments(_GenerateOwn, BackendArguments):
-    """`pact generate` / `pact chat` options: their own, and PactOptions' backend ones."""
-
-
-def _adapters(values: list[str]) -> dict[str, str]:
-    adapters = {}
-    for i, value in enumerate(values):
-        name, sep, folder = value.partition("=")
-        name, folder = (name, folder) if sep else ("default" if i == 0 else f"adapter{i}", value)
-        if name in adapters:
-            raise ValueError(f"--adapter {value!r}: the name {name!r} is used twice; give each adapter its own NAME=")
-        adapters[name] = folder
-    return adapters
+class GenerateArguments(EngineArguments, _PactEngineOwn, BackendArguments):
+    """`pact generate` / `pact chat` options: both engines' (`generate_options.py`), and the pact engine's dtype and
+    PactOptions' backend ones."""
 
 
 def load(args, say=None) -> PactModelForCausalLM | LlamaCppModel:
@@ -76,14 +50,16 @@ def load(args, say=None) -> PactModelForCausalLM | LlamaCppModel:
     `say`, stderr by default, and PACT's), else on PACT's NVFP4 base."""
     if getattr(args, "engine", "pact") == "llama.cpp":
         say = say or (lambda line: print(line, file=sys.stderr, flush=True))
-        model = llama_cpp_model(args.model, _adapters(args.adapter), say)
+        from .llama_engine import llama_cpp_model  # imported where used: it brings the exporters
+
+        model = llama_cpp_model(args.model, adapter_folders(args.adapter), say)
         if model is not None:
             if args.use is not None:
                 model.set_adapter(args.use)
             return model
     options = PactOptions(backend=args.backend, backend_options=args.backend_options)  # checked once, there
     model = PactModelForCausalLM.from_pretrained(
-        args.model, _adapters(args.adapter), options.backend, options.backend_options, args.dtype
+        args.model, adapter_folders(args.adapter), options.backend, options.backend_options, args.dtype
     )
     if args.use is not None:
         model.set_adapter(args.use)
@@ -91,12 +67,7 @@ def load(args, say=None) -> PactModelForCausalLM | LlamaCppModel:
 
 
 def _generate(model: PactModelForCausalLM | LlamaCppModel, ids, args) -> str:
-    context = model.context_length()
-    if context is not None and ids.shape[1] + args.max_new_tokens > context:
-        raise ValueError(
-            f"the prompt ({ids.shape[1]} tokens) plus --max_new_tokens {args.max_new_tokens} exceeds the model's "
-            f"{context}-token context; shorten the prompt or lower --max_new_tokens (in chat: /reset)."
-        )
+    check_context(ids.shape[1], args.max_new_tokens, model.context_length())
     answer = model.max_answer_tokens()  # a tagging adapter answers one label and its end of sequence
     max_new_tokens = args.max_new_tokens if answer is None else min(answer, args.max_new_tokens)
     sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p} if args.temperature else {}
@@ -141,7 +112,7 @@ def run_generate(args, prompt: str) -> str:
 
 
 def _close(model) -> None:
-    if isinstance(model, LlamaCppModel):
+    if not isinstance(model, PactModelForCausalLM):  # llama.cpp's
         model.close()  # before the interpreter's shutdown, where llama-cpp-python's own cleanup fails
 
 
@@ -154,37 +125,14 @@ def run_chat(args, lines=None, out=None) -> list[dict]:
         print(f"note: {record.describe()}; each message is tagged on its own.", file=out)
     elif not getattr(model.tokenizer, "chat_template", None):
         print("note: this model has no chat template; turns are sent as plain text.", file=out)
-    messages: list[dict] = []
     try:
-        _converse(model, args, messages, lines if lines is not None else _stdin(), out)
+        return converse(
+            lines if lines is not None else stdin_lines(),
+            lambda messages: _generate(model, model.prompt_ids(messages), args),
+            out,
+        )
     finally:
         _close(model)
-    return messages
-
-
-def _converse(model, args, messages: list[dict], lines, out) -> None:
-    for line in lines:
-        text = line.strip()
-        if text in ("/quit", "/exit"):
-            break
-        if text == "/reset":
-            messages.clear()
-            print("(conversation reset)", file=out)
-            continue
-        if not text:
-            continue
-        messages.append({"role": "user", "content": text})
-        reply = _generate(model, model.prompt_ids(messages), args)
-        messages.append({"role": "assistant", "content": reply.strip()})
-
-
-def _stdin():
-    while True:
-        try:
-            yield input("> ")
-        except EOFError:
-            print()  # the prompt's line ends
-            return
 
 
 __all__ = ["GenerateArguments", "parse", "run_chat", "run_generate"]

@@ -19,17 +19,12 @@ import torch
 from transformers import AutoConfig, GenerationConfig
 
 from ..errors import OptionError
-from ..files import sha256_file
 from .data.trained_on import TrainedOn
+from .generate_options import ENGINES
 from .gguf_export import check_architecture, export_gguf
+from .llama_quick import GGUF_NAME, MAX_CONTEXT, RECORD_NAME, current_gguf, record_key, threads
 from .model_folder import check_adapter_folder, load_tokenizer, resolve_model
 from .modeling import max_answer_tokens, prompt_ids
-
-ENGINES = ("pact", "llama.cpp")
-GGUF_NAME = "pact-model.gguf"
-RECORD_NAME = "pact-model.json"
-WRITER_VERSION = 2  # raise when the GGUF written for the same adapter changes (2: GPTQ merge, 16-bit linears)
-MAX_CONTEXT = 4096  # llama.cpp's KV cache is allocated whole: no more than this many tokens
 
 
 def cached_gguf(adapter: str | Path, base: str | None = None) -> Path:
@@ -41,13 +36,11 @@ def cached_gguf(adapter: str | Path, base: str | None = None) -> Path:
         raise FileNotFoundError(
             f"--adapter {str(folder)!r} holds no adapter_model.safetensors; --engine llama.cpp exports that file"
         )
-    key = {"adapter_sha256": sha256_file(weights), "base": resolve_model(base), "writer": WRITER_VERSION}
+    path = resolve_model(base)
+    if current_gguf(folder, path) is not None:
+        return folder / GGUF_NAME
+    key = record_key(folder, path) | {"context": context_size(AutoConfig.from_pretrained(path))}
     out, record = folder / GGUF_NAME, folder / RECORD_NAME
-    try:
-        if out.is_file() and json.loads(record.read_text()) == key:
-            return out
-    except (OSError, ValueError):
-        pass  # no record, or a damaged one: export again
     out.unlink(missing_ok=True)
     record.unlink(missing_ok=True)
     print(f"[optimum-pact] exporting {folder} once for llama.cpp: {out}", file=sys.stderr, flush=True)
@@ -57,6 +50,11 @@ def cached_gguf(adapter: str | Path, base: str | None = None) -> Path:
         export_gguf(folder, out, base, score=False, requantize_from="nvfp4")
     record.write_text(json.dumps(key, indent=2) + "\n")
     return out
+
+
+def context_size(config) -> int:
+    """The context llama.cpp is given for a model of `config`: its own, at most MAX_CONTEXT tokens."""
+    return min(config.max_position_embeddings, MAX_CONTEXT)
 
 
 class LlamaCppModel:
@@ -71,8 +69,8 @@ class LlamaCppModel:
         self.folders = {name: str(check_adapter_folder(folder)) for name, folder in adapters.items()}
         self.trained_on = {name: TrainedOn.load(folder) for name, folder in self.folders.items()}
         self.active = next(iter(self.folders))
-        self.n_ctx = min(config.max_position_embeddings, MAX_CONTEXT)
-        self.n_threads = n_threads if n_threads is not None else torch.get_num_threads()
+        self.n_ctx = context_size(config)
+        self.n_threads = n_threads if n_threads is not None else threads()
         eos = GenerationConfig.from_pretrained(self.path).eos_token_id if self._has_generation_config() else None
         eos = self.tokenizer.eos_token_id if eos is None else eos
         self.eos = set(eos) if isinstance(eos, list) else {eos}

@@ -23,7 +23,8 @@ from ..quantizer import QUANT_METHOD, PactQuantizationConfig
 from .data import format_example
 from .data.trained_on import TrainedOn
 from .layer_precisions import LayerPrecisions
-from .model_folder import adapter_loading, check_adapter_folder, load_causal_lm, load_tokenizer, resolve_model
+from .model_folder import adapter_loading, check_adapter_folder, load_tokenizer, resolve_model
+from .packed_cache import load_packed
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ class PactModelForCausalLM:
         quantization = PactQuantizationConfig(
             backend=backend, backend_options=backend_options, modules_in_16bit=dense or None
         )
-        model = load_causal_lm(path, base, quantization_config=quantization, dtype=dtype)
+        model = load_packed(path, base, quantization, dtype)  # quantized once, then read from PACT's cache
         model.eval()
         tokenizer = load_tokenizer(path, base)
         self = cls(model, tokenizer, path)
