@@ -8,7 +8,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from optimum_pact.commands.calibration import calibration_rows
-from optimum_pact.commands.modeling import PactModelForCausalLM
+from optimum_pact.commands.modeling import PactModelForCausalLM, read_adapter_config
 from optimum_pact.commands.nvfp4_merge import export_nvfp4_merged, merged_weights
 from optimum_pact.dataflow import FrozenLinear
 from optimum_pact.errors import OptionError
@@ -146,11 +146,13 @@ def test_the_main_jobs_adapter_merged_keeps_its_gain_and_the_folder_scores_as_re
         kept = export_nvfp4_merged(out / "adapter", tmp_path / "kept")  # the default: GPTQ of the trained weights
     assert kept.adapter >= kept.base + 0.2 and kept.gain_kept >= 0.9 and "gain" not in caplog.text
     assert kept.gain_kept >= usual.gain_kept
-    assert len(kept.kept_16bit) == 53  # the main job's 16-bit quarter, merged exactly
+    trained = set(read_adapter_config(out / "adapter").sixteen_bit_modules())
+    assert len(trained) == 53 and trained < set(kept.kept_16bit)  # the 16-bit quarter, merged exactly, and the
+    assert len(kept.kept_16bit) <= 53 + 20  # few the size budget keeps
 
     # as a user loads it (NVFP4, ModelOpt layout), in the dtype the export scored it in
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "kept", dtype=resolve_dtype("auto"))
-    assert sum(isinstance(m, FrozenLinear) for m in reloaded.modules()) == 30 * 7 - 53
+    assert sum(isinstance(m, FrozenLinear) for m in reloaded.modules()) == 30 * 7 - len(kept.kept_16bit)
     _, train, heldout = load_data(None)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "kept")
     labels = sorted({item["label"] for item in train + heldout})

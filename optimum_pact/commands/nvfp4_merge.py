@@ -198,7 +198,10 @@ def linears_kept_16bit(
 def _merged_model(path: str, weights: dict[str, NVFP4Tensor | torch.Tensor], torch_dtype: torch.dtype):
     """The base at `path` on PACT's NVFP4 layers, holding `weights` (`merged_weights`'s) in place of its own."""
     kept = [name for name, weight in weights.items() if not isinstance(weight, NVFP4Tensor)]
-    quantization = PactQuantizationConfig(modules_to_not_convert=kept or None)
+    if len(kept) == len(weights):  # every linear 16-bit (a small model under the size budget): a plain model
+        quantization = None
+    else:
+        quantization = PactQuantizationConfig(modules_to_not_convert=kept or None)
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization, dtype=torch_dtype)
     for name, weight in weights.items():
         module = model.get_submodule(name)
