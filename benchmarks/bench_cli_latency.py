@@ -52,7 +52,8 @@ def timed(argv: list[str], stdin: str | None) -> tuple[float, str]:
     seconds = time.perf_counter() - start
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(argv)} failed ({done.returncode}):\n{done.stderr[-2000:]}")
-    return seconds, done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    answers = [line.removeprefix("> ").strip() for line in done.stdout.splitlines()]  # chat: "> " before each turn
+    return seconds, next((line for line in reversed(answers) if line), "")
 
 
 def main() -> None:
