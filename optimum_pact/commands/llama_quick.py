@@ -19,8 +19,7 @@ from pathlib import Path
 
 from ..cache import cache_dir
 from ..files import sha256_file
-from .data import format_example
-from .data.trained_on import TrainedOn
+from .data.trained_on import TrainedOn, prompt_input
 from .default_model import DEFAULT_MODEL_NAME
 from .generate_options import adapter_folders, check_context, converse, light_parser, stdin_lines
 
@@ -89,31 +88,22 @@ class QuickModel:
         return self.llm.detokenize([token], special=True).decode(errors="replace") if token >= 0 else ""
 
     def prompt_ids(self, messages: list[dict] | str) -> list[int]:
-        """As `modeling.prompt_ids` formats it, tokenized by the GGUF's own tokenizer."""
-        record = self.trained_on
-        if record is not None and record.tags:
-            text = messages if isinstance(messages, str) else messages[-1]["content"]
-            return self.tokens(record.prompt(text), self.add_bos)
-        if isinstance(messages, str):
-            if record is None or record.format != "chat":
-                return self.tokens(messages, self.add_bos)
-            messages = [{"role": "user", "content": messages}]
-        if record is not None and record.system is not None and messages[0]["role"] != "system":
-            messages = [{"role": "system", "content": record.system}, *messages]
-        if not self.template:
-            return self.tokens("\n".join(m["content"] for m in messages), self.add_bos)
+        """As `modeling.prompt_ids` formats it (`prompt_input`), tokenized by the GGUF's own tokenizer."""
+        prompt = prompt_input(self.trained_on, messages, bool(self.template))
+        if isinstance(prompt, str):
+            return self.tokens(prompt, self.add_bos)
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         formatter = Jinja2ChatFormatter(
             self.template, self.special_text(self.llm.token_eos()), self.special_text(self.llm.token_bos())
         )
-        return self.tokens(formatter(messages=messages).prompt, add_bos=False)  # the template writes any BOS
+        return self.tokens(formatter(messages=prompt).prompt, add_bos=False)  # the template writes any BOS
 
     def max_answer_tokens(self) -> int | None:
         record = self.trained_on
         if record is None or not record.tags:
             return None
-        return 1 + max(len(self.tokens(format_example("", label)[1], False)) for label in record.labels)
+        return 1 + max(len(self.tokens(answer, False)) for answer in record.answers())
 
     def answer(self, ids: list[int], args, out) -> str:
         """Decode after `ids` as `pact generate` does (greedy, or sampling), printing the text as it comes."""

@@ -20,8 +20,7 @@ from peft_ext import PactConfig
 from ..dataflow import FrozenLinear
 from ..precision import resolve_dtype
 from ..quantizer import QUANT_METHOD, PactQuantizationConfig
-from .data import format_example
-from .data.trained_on import TrainedOn
+from .data.trained_on import TrainedOn, prompt_input
 from .layer_precisions import LayerPrecisions
 from .model_folder import adapter_loading, check_adapter_folder, load_tokenizer, resolve_model
 from .packed_cache import load_packed
@@ -198,28 +197,16 @@ def max_answer_tokens(tokenizer, record: TrainedOn | None) -> int | None:
     """A tagging adapter's longest answer in tokens, its end of sequence included (None: no such bound)."""
     if record is None or not record.tags:
         return None
-    answers = [format_example("", label)[1] for label in record.labels]  # the targets training learned
-    return 1 + max(len(tokenizer(answer, add_special_tokens=False)["input_ids"]) for answer in answers)
+    return 1 + max(len(tokenizer(answer, add_special_tokens=False)["input_ids"]) for answer in record.answers())
 
 
 def prompt_ids(tokenizer, record: TrainedOn | None, messages: list[dict] | str) -> torch.Tensor:
-    """Token ids to generate after, formatted the way an adapter that learned `record` was trained: a tagging
-    adapter's prompt around the text (in a chat, around the last message alone), a chat rendered with the model's
-    template (with the training conversations' system message when they shared one), or plain text."""
-    if record is not None and record.tags:
-        text = messages if isinstance(messages, str) else messages[-1]["content"]
-        return tokenizer(record.prompt(text), return_tensors="pt")["input_ids"]
-    if isinstance(messages, str):
-        if record is not None and record.format == "chat":
-            messages = [{"role": "user", "content": messages}]
-        else:
-            return tokenizer(messages, return_tensors="pt")["input_ids"]
-    if record is not None and record.system is not None and messages[0]["role"] != "system":
-        messages = [{"role": "system", "content": record.system}, *messages]
-    if not getattr(tokenizer, "chat_template", None):
-        text = "\n".join(m["content"] for m in messages)
-        return tokenizer(text, return_tensors="pt")["input_ids"]
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")
+    """Token ids to generate after, formatted the way an adapter that learned `record` was trained
+    (`trained_on.prompt_input`): text tokenized as is, or turns rendered with the model's chat template."""
+    prompt = prompt_input(record, messages, bool(getattr(tokenizer, "chat_template", None)))
+    if isinstance(prompt, str):
+        return tokenizer(prompt, return_tensors="pt")["input_ids"]
+    out = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_tensors="pt")
     return out["input_ids"] if hasattr(out, "keys") else out
 
 

@@ -12,7 +12,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import PROMPT_TEMPLATE
+from . import PROMPT_TEMPLATE, format_example
 
 DATA_RECORD_NAME = "pact_data.json"
 
@@ -60,6 +60,10 @@ class TrainedOn:
         """A labelled adapter's prompt around `text` (the item as the user typed it)."""
         return self.prompt_template.format(text=text.strip())
 
+    def answers(self) -> list[str]:
+        """A tagging adapter's targets as training learned them (each tag after the prompt, before EOS)."""
+        return [format_example("", label)[1] for label in self.labels]
+
     def describe(self) -> str:
         if self.tags:
             shown = ", ".join(self.labels[:8]) + (", ..." if len(self.labels) > 8 else "")
@@ -67,4 +71,20 @@ class TrainedOn:
         return f"this adapter was trained on {self.format.replace('_', '/')} data"
 
 
-__all__ = ["DATA_RECORD_NAME", "TrainedOn"]
+def prompt_input(record: TrainedOn | None, messages: list[dict] | str, has_template: bool) -> str | list[dict]:
+    """What an adapter that learned `record` is prompted with, for any tokenizer: text to tokenize as is (a tagging
+    adapter's prompt around the text, in a chat around the last message alone; plain text; turns joined where the
+    model has no chat template), or the turns for the chat template (with the training conversations' system message
+    when they shared one)."""
+    if record is not None and record.tags:
+        return record.prompt(messages if isinstance(messages, str) else messages[-1]["content"])
+    if isinstance(messages, str):
+        if record is None or record.format != "chat":
+            return messages
+        messages = [{"role": "user", "content": messages}]
+    if record is not None and record.system is not None and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": record.system}, *messages]
+    return messages if has_template else "\n".join(m["content"] for m in messages)
+
+
+__all__ = ["DATA_RECORD_NAME", "TrainedOn", "prompt_input"]
