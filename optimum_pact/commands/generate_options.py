@@ -14,7 +14,9 @@ ENGINES = ("pact", "llama.cpp")
 
 @dataclass
 class EngineArguments:
-    model: str | None = field(default=None, metadata={"help": "Base model folder or Hub id (default: SmolLM2)."})
+    model: str | None = field(
+        default=None, metadata={"help": "Base model folder, Hub id or named model (default: SmolLM2)."}
+    )
     adapter: list[str] = field(
         default_factory=list,
         metadata={

@@ -20,8 +20,8 @@ from pathlib import Path
 from ..cache import cache_dir
 from ..files import sha256_file
 from .data.trained_on import TrainedOn, prompt_input
-from .default_model import DEFAULT_MODEL_NAME
 from .generate_options import adapter_folders, check_context, converse, light_parser, stdin_lines
+from .named_models import SMOLLM2, named_model
 
 GGUF_NAME = "pact-model.gguf"
 RECORD_NAME = "pact-model.json"
@@ -54,12 +54,13 @@ def current_gguf(folder: str | Path, base: str) -> tuple[Path, dict] | None:
 
 def _base(model: str | None) -> str | None:
     """`resolve_model(model)`'s answer where it needs no check that only the full path can make, else None."""
-    if model is None:
-        default = cache_dir() / DEFAULT_MODEL_NAME
-        return str(default) if (default / "model.safetensors").is_file() else None
-    path = Path(model).expanduser()
-    if path.exists():
+    path = Path(model).expanduser() if model is not None else None
+    if path is not None and path.exists():
         return str(path)  # checked by the full path when the GGUF's record was written
+    named = SMOLLM2 if model is None else named_model(model)
+    if named is not None:
+        folder = cache_dir() / named.folder
+        return str(folder) if (folder / "config.json").is_file() else None
     return model if re.fullmatch(r"[\w.-]+/[\w.-]+", model) else None
 
 

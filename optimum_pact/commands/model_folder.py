@@ -22,19 +22,23 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from ..errors import NoSpaceError
 from ..files import free_bytes, ran_out_of_space, read_json_object, why_unreadable
 from .default_model import ensure_default_model
+from .named_models import NAMED_MODELS, ensure_named_model, named_model
 
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 RUN_AGAIN = "free space and run the same command again"
 
 
 def resolve_model(model: str | None) -> str:
-    """The local folder (or Hub id) to load; the embedded default model when `model` is None.
+    """The local folder (or Hub id) to load; the embedded default model when `model` is None, and a named model
+    (`named_models.NAMED_MODELS`: qwen2.5-coder-1.5b, gemma-3-270m, smollm2-135m) fetched and converted once.
 
     A local folder must hold a config.json that transformers reads as a causal language model (`check_model_folder`).
     """
     if model is None:
         return str(ensure_default_model())
     path = Path(model).expanduser()
+    if not path.exists() and (named := named_model(model)) is not None:
+        return str(ensure_named_model(named))
     if path.exists():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(
@@ -43,7 +47,10 @@ def resolve_model(model: str | None) -> str:
         check_model_folder(path, model)
         return str(path)
     if model.startswith((".", "/", "~")) or not re.fullmatch(r"[\w.-]+/[\w.-]+", model):
-        raise FileNotFoundError(f"--model {model!r} does not exist; pass an existing model folder or a Hub id.")
+        raise FileNotFoundError(
+            f"--model {model!r} does not exist; pass an existing model folder, a Hub id or one of the named models "
+            f"({', '.join(NAMED_MODELS)})."
+        )
     return model  # a Hub id such as "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
