@@ -33,6 +33,7 @@ class PactLoraLinear(LoraLinear):
     def __init__(self, base_layer, adapter_name: str, config, **kwargs):
         self.pact_pending = None  # an AQLoRA group this layer waits in (peft_ext.aqlora), until it is finalized
         self._pact_fused = None  # the bound inference product (FusedAdapter), built on first use
+        self._pact_base_dtype = getattr(config, "base_dtype", None)  # what the frozen weights were built from
         super().__init__(base_layer, adapter_name, config=config, **kwargs)
         self._pact_overlap_option = getattr(config, "overlap", None)
 
@@ -52,6 +53,15 @@ class PactLoraLinear(LoraLinear):
     def update_layer(self, adapter_name, *args, **kwargs):
         self._pact_fused = None
         return super().update_layer(adapter_name, *args, **kwargs)
+
+    def _get_base_layer_device_and_dtype(self, base_layer):
+        """peft casts a new adapter to its base layer's dtype (then back to float32): for a FrozenLinear that is the
+        dtype of the weights it was built from (`PactConfig.base_dtype`), as on that nn.Linear, so the adapter
+        starts from the same values whether the base was quantized before or after peft wrapped it."""
+        device, dtype = super()._get_base_layer_device_and_dtype(base_layer)
+        if isinstance(base_layer, FrozenLinear) and self._pact_base_dtype is not None:
+            dtype = getattr(torch, self._pact_base_dtype)
+        return device, dtype
 
     def delete_adapter(self, adapter_name: str) -> None:
         self._pact_fused = None

@@ -33,6 +33,7 @@ from .data.generative import builtin_data, file_format, load_generative_dataset,
 from .data.trained_on import TrainedOn
 from .evaluation import accuracy, answer, classify, heldout_loss
 from .model_folder import RUN_AGAIN, load_causal_lm, load_tokenizer, resolve_model, written_aside
+from .streamed_base import load_streamed_base, streams
 from .summary import FinetuneSummary, write_card
 
 
@@ -97,7 +98,10 @@ def _finetune(run: FinetuneRun) -> FinetuneSummary:
     dtype = resolve_dtype(job.dtype)
     if job.dtype == "auto" and dtype == torch.float32:
         _say("computing in float32: this CPU has no native bf16 arithmetic (emulated bf16 is many times slower)")
-    base = load_causal_lm(model_path, job.model, dtype=dtype)
+    if streams(config, model_path):  # no full-precision copy of the base: AQLoRA's list ranked from the checkpoint
+        base, config = load_streamed_base(config, model_path, job.model, dtype)
+    else:
+        base = load_causal_lm(model_path, job.model, dtype=dtype)
 
     # padded batches for the held-out loss and the calibration batch; with pact_padding_free (the main job's default)
     # PactTrainer joins each training batch into one row instead (the same loss and gradients in fp32, no pad tokens

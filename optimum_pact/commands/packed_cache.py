@@ -13,6 +13,7 @@ cached.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
@@ -65,6 +66,12 @@ def load_packed(path: str, given: str | None, quantization, dtype: torch.dtype):
             _evict(cached.parent, KEEP)
         except OSError as err:  # a full or read-only cache costs the next call its time, nothing else
             logger.warning("could not cache the packed base in %s (%s); the next call quantizes it again", cached, err)
+        else:
+            # read back as every later call reads it: the tensors kept 16-bit are views of the full-precision
+            # checkpoint's memory map otherwise, which keeps every page of that file resident for the whole run
+            del model
+            gc.collect()
+            model = load_causal_lm(str(cached), given, quantization_config=quantization, dtype=dtype)
     return model
 
 
