@@ -70,17 +70,21 @@ TARGETS = (
 )
 
 
-def job_settings() -> dict:
-    """The main job's LoRA and Trainer defaults every arm uses (output_dir and seed are per run)."""
-    from optimum_pact.commands.arguments import MAIN_JOB_DEFAULTS
+def job_settings(model_name: str | None = None) -> dict:
+    """The main job's LoRA and Trainer defaults every arm uses, for `model_name` (a named model may have its own:
+    `main_job_defaults`); output_dir and seed are per run."""
+    from optimum_pact.commands.arguments import MAIN_JOB_DEFAULTS, main_job_defaults
 
-    return {k: v for k, v in MAIN_JOB_DEFAULTS.items() if k not in ("output_dir", "seed")}
+    settings = {**MAIN_JOB_DEFAULTS, **main_job_defaults(model_name)}
+    return {k: v for k, v in settings.items() if k not in ("output_dir", "seed")}
 
 
 # ---- one arm in this process (--arm) ----
 
 
-def run_trainer_arm(arm: str, seed: int, dtype_name: str, max_steps: int | None) -> dict:
+def run_trainer_arm(
+    arm: str, seed: int, dtype_name: str, max_steps: int | None, model_name: str | None = None
+) -> dict:
     """A stock transformers Trainer on the main job's rows; the adapter is peft's LoRA, on nf4 for peft_qlora, or
     PactConfig for pact_dropin."""
     import tempfile
@@ -97,9 +101,9 @@ def run_trainer_arm(arm: str, seed: int, dtype_name: str, max_steps: int | None)
     from optimum_pact.commands.model_folder import load_tokenizer, resolve_model
     from peft_ext import PactConfig
 
-    settings, dtype = job_settings(), getattr(torch, dtype_name)
-    model_path = resolve_model(None)
-    tokenizer = load_tokenizer(model_path, None)
+    settings, dtype = job_settings(model_name), getattr(torch, dtype_name)
+    model_path = resolve_model(model_name)
+    tokenizer = load_tokenizer(model_path, model_name)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     train_items, heldout_items = load_personal_dataset()
@@ -149,7 +153,12 @@ def run_trainer_arm(arm: str, seed: int, dtype_name: str, max_steps: int | None)
 
 
 def run_pact_finetune(
-    seed: int, dtype_name: str, max_steps: int | None, arm: str = "pact_finetune", extra: list[str] = ()
+    seed: int,
+    dtype_name: str,
+    max_steps: int | None,
+    arm: str = "pact_finetune",
+    extra: list[str] = (),
+    model_name: str | None = None,
 ) -> dict:
     """The installed `pact finetune` console command (with `extra` flags); time and accuracy from its summary.json,
     peak RSS its process's (ru_maxrss of that child alone, from wait4: VmHWM at its exit)."""
@@ -160,6 +169,7 @@ def run_pact_finetune(
         cmd = [str(pact), "finetune", "--seed", str(seed), "--output", tmp, "--dtype", dtype_name]
         cmd += ["--max_steps", str(max_steps)] if max_steps else []
         cmd += ARM_FLAGS.get(arm, [])
+        cmd += ["--model", model_name] if model_name else []
         cmd += list(extra)
         start = time.perf_counter()
         child = subprocess.Popen(cmd, stdout=sys.stderr)  # its summary text: beside the progress, not our JSON
@@ -170,14 +180,14 @@ def run_pact_finetune(
         if code:
             raise subprocess.CalledProcessError(code, cmd)
         summary = json.loads((Path(tmp) / "summary.json").read_text())
-        used = as_used(Path(tmp) / "adapter")
+        used = as_used(Path(tmp) / "adapter", MERGES if model_name is None else MERGES[:1])
     peak = usage.ru_maxrss * 1024
     return {"arm": arm, "seed": seed, "train_s": summary["train_seconds"], "wall_s": wall_s,
             "accuracy": summary["accuracy_after"], "steps": summary["steps"], "final_loss": summary["final_loss"],
             "peak_rss_gib": peak / 2**30, "summary_peak_rss_gib": summary["peak_rss_gib"], **used}  # fmt: skip
 
 
-def as_used(adapter: Path) -> dict:
+def as_used(adapter: Path, merges=MERGES) -> dict:
     """A pact adapter as the person runs it: through PactModelForCausalLM (what `pact generate` loads, here in another
     process than the one that trained it) and as the `pact export --format gguf` file in llama.cpp."""
     import tempfile
@@ -197,7 +207,7 @@ def as_used(adapter: Path) -> dict:
     del model
     variants, sizes = {}, []
     with tempfile.TemporaryDirectory() as tmp:
-        for rounding, source, budget in MERGES:
+        for rounding, source, budget in merges:
             gguf = Path(tmp) / f"{rounding}-{source}-{budget}.gguf"
             export_gguf(adapter, gguf, score=False, rounding=rounding, requantize_from=source, size_budget=budget)
             variants[f"{rounding}/{source}/{budget}"] = llama_cpp_accuracy(gguf, tokenizer, heldout_items, labels)
@@ -207,8 +217,8 @@ def as_used(adapter: Path) -> dict:
             "gguf_variants": variants}  # fmt: skip
 
 
-def all_nvfp4_gguf_bytes() -> int:
-    """The size of the default model's GGUF with every linear NVFP4 (what a protection-free adapter merges into)."""
+def all_nvfp4_gguf_bytes(model_name: str | None = None) -> int:
+    """The size of the model's GGUF with every linear NVFP4 (what a protection-free adapter merges into)."""
     import tempfile
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -218,7 +228,7 @@ def all_nvfp4_gguf_bytes() -> int:
     from optimum_pact.commands.nvfp4_merge import save_nvfp4_folder
     from optimum_pact.quantizer import PactQuantizationConfig
 
-    path = resolve_model(None)
+    path = resolve_model(model_name)
     with tempfile.TemporaryDirectory() as tmp:
         model = AutoModelForCausalLM.from_pretrained(path, quantization_config=PactQuantizationConfig())
         save_nvfp4_folder(model, AutoTokenizer.from_pretrained(path), Path(tmp) / "model")
@@ -370,6 +380,7 @@ def save(results: dict, out: Path) -> None:
 def run_child(arm: str, seed: int, args) -> dict:
     cmd = [sys.executable, __file__, "--arm", arm, "--seed", str(seed), "--dtype", args.dtype]
     cmd += ["--max-steps", str(args.max_steps)] if args.max_steps else []
+    cmd += ["--model", args.model] if args.model else []
     out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout  # stderr: progress, shown
     return json.loads(out.strip().splitlines()[-1])
 
@@ -382,6 +393,8 @@ def main() -> None:
     parser.add_argument("--arms", default=",".join(DEFAULT_ARMS), help="comma-separated, of: " + ", ".join(ARMS))
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                         help="every arm's model dtype; float32 on CPUs without native bf16 (AVX2 only)")  # fmt: skip
+    parser.add_argument("--model", default=None, help="the model every arm trains (default: the main job's); a "
+                        "folder, Hub id or named model such as qwen2.5-coder-1.5b")  # fmt: skip
     parser.add_argument("--max-steps", type=int, default=None, help="stop training after this many steps (smoke)")
     parser.add_argument("--output", default=str(DEFAULT_OUTPUT), help="results file (JSON), written after every run")
     parser.add_argument("--resume", action="store_true", help="keep --output's runs of the same settings, skip them")
@@ -392,10 +405,10 @@ def main() -> None:
         return
     if args.arm:
         if args.arm.startswith("pact_finetune"):
-            print(json.dumps(run_pact_finetune(args.seed, args.dtype, args.max_steps, args.arm)))
+            run = run_pact_finetune(args.seed, args.dtype, args.max_steps, args.arm, model_name=args.model)
         else:
-            print(json.dumps(run_trainer_arm(args.arm.removesuffix("_dup"), args.seed, args.dtype, args.max_steps)
-                             | {"arm": args.arm}))  # fmt: skip
+            run = run_trainer_arm(args.arm.removesuffix("_dup"), args.seed, args.dtype, args.max_steps, args.model)
+        print(json.dumps(run | {"arm": args.arm}))
         return
 
     arms = [a for a in args.arms.split(",") if a]
@@ -405,7 +418,12 @@ def main() -> None:
 
     from optimum_pact.commands.model_folder import resolve_model
 
-    config = {"dtype": args.dtype, "max_steps": args.max_steps, "model": resolve_model(None), "job": job_settings()}
+    config = {
+        "dtype": args.dtype,
+        "max_steps": args.max_steps,
+        "model": resolve_model(args.model),
+        "job": job_settings(args.model),
+    }
     out = Path(args.output)
     previous = json.loads(out.read_text()) if args.resume and out.is_file() else {}
     if previous:
@@ -416,7 +434,7 @@ def main() -> None:
                "versions": versions(), "pieces": previous.get("pieces", []),
                "runs": previous.get("runs", [])}  # fmt: skip
     if any(arm.startswith("pact_finetune") for arm in arms):  # what the GGUF's size is measured against
-        results["all_nvfp4_gguf_bytes"] = previous.get("all_nvfp4_gguf_bytes") or all_nvfp4_gguf_bytes()
+        results["all_nvfp4_gguf_bytes"] = previous.get("all_nvfp4_gguf_bytes") or all_nvfp4_gguf_bytes(args.model)
     done = {(r["arm"], r["seed"]) for r in results["runs"]}
     start = time.perf_counter()
     for i, seed in enumerate(args.seeds):

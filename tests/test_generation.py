@@ -1,6 +1,7 @@
 """PactModelForCausalLM, `pact generate` and `pact chat`: a trained adapter used on the same NVFP4 base."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -228,3 +229,17 @@ def test_the_record_of_what_an_adapter_learned(tmp_path):
     with pytest.raises(ValueError, match="pact_data.json is damaged"):
         TrainedOn.load(tmp_path)
     assert TrainedOn.load(tmp_path / "elsewhere") is None
+
+
+def test_without_a_base_the_adapter_s_own_base_is_loaded(small_model, adapters, tmp_path):
+    """As peft's AutoPeftModelForCausalLM: --model left out loads the base the adapter records, where it is here."""
+    pact = PactModelForCausalLM.from_pretrained(adapter=str(adapters[0]), dtype="float32")
+    assert pact.base_path == str(small_model)
+    elsewhere = tmp_path / "moved"
+    shutil.copytree(adapters[0], elsewhere)
+    config = json.loads((elsewhere / "adapter_config.json").read_text())
+    (elsewhere / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "/gone/model"}))
+    from optimum_pact.commands.default_model import ensure_default_model
+    from optimum_pact.commands.model_folder import resolve_model
+
+    assert resolve_model(None, elsewhere) == str(ensure_default_model())  # not here: the default model, as before

@@ -156,9 +156,9 @@ def test_a_wrong_base_or_a_folder_without_weights_is_a_clear_error(small_model, 
     GemmaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2).save_pretrained(gemma)
     with pytest.raises(ValueError, match="is a 'gemma' model, and --format gguf-lora supports llama, qwen2 only"):
         export_gguf_lora(adapter, tmp_path / "out.gguf", str(gemma))
-    # no --model: the default model, whose down_proj is 576 x 1536, not this adapter's 64 x 128
+    # another base: the default model, whose down_proj is 576 x 1536, not this adapter's 64 x 128
     with pytest.raises(ValueError, match=re.escape("down_proj has LoRA A (4, 128) and B (64, 4), which do not fit")):
-        export_gguf_lora(adapter, tmp_path / "out.gguf")
+        export_gguf_lora(adapter, tmp_path / "out.gguf", str(ensure_default_model()))
     config_only = tmp_path / "config_only"
     config_only.mkdir()
     (config_only / "adapter_config.json").write_bytes((adapter / "adapter_config.json").read_bytes())

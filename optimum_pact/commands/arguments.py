@@ -28,6 +28,8 @@ from peft_ext import PactConfig
 from peft_ext.options import derived_options
 from trainer_callbacks import PactTrainingArguments
 
+from .named_models import named_model
+
 # LoRA's own fields that `pact finetune` exposes, with peft's types and help texts (not declared again here)
 LORA_FIELDS = ("r", "lora_alpha", "lora_dropout", "target_modules")
 # What the main job does when a flag is not given (fields keep their own defaults otherwise).
@@ -189,6 +191,13 @@ def read_run_file(path: str, parser: HfArgumentParser) -> dict:
     return out
 
 
+def main_job_defaults(model: str | None) -> dict:
+    """The main job's defaults for `--model` where they differ from `MAIN_JOB_DEFAULTS` (a named model's own,
+    chosen by measurement at its size: `named_models.NamedModel.main_job`)."""
+    named = named_model(model) if model is not None and not Path(model).expanduser().exists() else None
+    return dict(named.main_job) if named is not None else {}
+
+
 def typed_options(parser: HfArgumentParser, argv: list[str]) -> dict[str, str]:
     """Option name -> the flag the user typed for it."""
     typed = {}
@@ -219,6 +228,7 @@ def parse_finetune_args(argv: list[str], spelled: dict[str, str] | None = None) 
         spelled.update({name: f"{config_path}: {name}" for name in from_file if name not in spelled})
     values = vars(parser.parse_args(argv))
     given = set(spelled)
+    values.update({k: v for k, v in main_job_defaults(values["model"]).items() if k not in given})
     if values["soc_model"] is not None:
         options = check_backend_choice(values["pact_backend"], values["pact_backend_options"], "pact_") or {}
         values["pact_backend_options"] = {**options, "soc_model": values["soc_model"]}

@@ -8,6 +8,7 @@ a normal Hugging Face folder in the cache.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from .named_models import SMOLLM2, ensure_named_model, gguf_path
@@ -31,3 +32,18 @@ def default_gguf_path(cache_dir: str | Path | None = None) -> Path:
     The base a `pact export --format gguf-lora` of a default-model adapter is applied to.
     """
     return gguf_path(SMOLLM2, cache_dir)
+
+
+def recorded_base(adapter: str | Path | None) -> str | None:
+    """The base an adapter folder records (adapter_config.json's `base_model_name_or_path`, as peft's
+    AutoPeftModelForCausalLM reads it) where that is a local model folder here; None otherwise (the default model).
+    What `pact generate`, `pact chat` and `pact export` load when --model is not given."""
+    if adapter is None:
+        return None
+    try:
+        recorded = json.loads(Path(adapter, "adapter_config.json").read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None  # the full path reports a missing or damaged adapter
+    if isinstance(recorded, str) and recorded and Path(recorded, "config.json").is_file():
+        return recorded
+    return None

@@ -100,7 +100,7 @@ class ExportArguments:
 def export_merged(adapter: str | Path, output: str | Path, base: str | None = None, dtype=torch.bfloat16) -> Path:
     """Write base (NVFP4, dequantized) + adapter merged as a plain transformers folder at `output`; returns it."""
     adapter, output = check_paths(adapter, output)
-    path = resolve_model(base)
+    path = resolve_model(base, adapter)
     trained_dtype, dense = trained_base(read_adapter_config(adapter), path, unrecorded=dtype)  # as it was trained
     quantization = PactQuantizationConfig(modules_in_16bit=dense or None)
     model = load_causal_lm(path, base, quantization_config=quantization, dtype=trained_dtype)

@@ -80,7 +80,7 @@ def export_gguf(
         raise FileExistsError(f"--output {str(output)!r} exists; pass a new file name")
     check_embeddings(embeddings)
     adapter = check_adapter_folder(adapter)
-    path = resolve_model(base)
+    path = resolve_model(base, adapter)
     check_architecture(AutoConfig.from_pretrained(path), path)
     output.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}-model-") as tmp:

@@ -75,7 +75,7 @@ def read_adapter(adapter: str | Path, base: str | None = None) -> GGUFAdapter:
         )
     config = read_json_object(adapter / "adapter_config.json", "pass the adapter folder of a run")
     _check_plain(config, adapter)
-    path = resolve_model(base)
+    path = resolve_model(base, adapter)
     base_config = AutoConfig.from_pretrained(path)
     architecture = ARCHITECTURES.get(base_config.model_type)
     if architecture is None:

@@ -36,7 +36,7 @@ def cached_gguf(adapter: str | Path, base: str | None = None) -> Path:
         raise FileNotFoundError(
             f"--adapter {str(folder)!r} holds no adapter_model.safetensors; --engine llama.cpp exports that file"
         )
-    path = resolve_model(base)
+    path = resolve_model(base, folder)
     if current_gguf(folder, path) is not None:
         return folder / GGUF_NAME
     key = record_key(folder, path) | {"context": context_size(AutoConfig.from_pretrained(path))}
@@ -62,7 +62,7 @@ class LlamaCppModel:
     llama.cpp from each adapter's cached GGUF."""
 
     def __init__(self, base: str | None, adapters: dict[str, str], n_threads: int | None = None):
-        self.base, self.path = base, resolve_model(base)
+        self.base, self.path = base, resolve_model(base, next(iter(adapters.values()), None))
         config = AutoConfig.from_pretrained(self.path)
         check_architecture(config, self.path)
         self.tokenizer = load_tokenizer(self.path, base)

@@ -20,6 +20,7 @@ from pathlib import Path
 from ..cache import cache_dir
 from ..files import sha256_file
 from .data.trained_on import TrainedOn, prompt_input
+from .default_model import recorded_base
 from .generate_options import adapter_folders, check_context, converse, light_parser, stdin_lines
 from .named_models import SMOLLM2, named_model
 
@@ -52,8 +53,10 @@ def current_gguf(folder: str | Path, base: str) -> tuple[Path, dict] | None:
     return None
 
 
-def _base(model: str | None) -> str | None:
-    """`resolve_model(model)`'s answer where it needs no check that only the full path can make, else None."""
+def _base(model: str | None, adapter: str | None = None) -> str | None:
+    """`resolve_model(model, adapter)`'s answer where it needs no check that only the full path can make, else
+    None."""
+    model = model if model is not None else recorded_base(adapter)
     path = Path(model).expanduser() if model is not None else None
     if path is not None and path.exists():
         return str(path)  # checked by the full path when the GGUF's record was written
@@ -145,8 +148,8 @@ def quick_run(command: str, argv: list[str], lines=None, out=None) -> int | None
         adapters = adapter_folders(args.adapter)
     except ValueError:
         return None  # an option only the full path takes, or a mistake the full path reports
-    base = _base(args.model)
     active = args.use if args.use is not None else next(iter(adapters), None)
+    base = _base(args.model, adapters.get(active))
     if args.engine != "llama.cpp" or base is None or active not in adapters:
         return None
     if not all(Path(folder, "adapter_config.json").is_file() for folder in adapters.values()):

@@ -21,19 +21,22 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from ..errors import NoSpaceError
 from ..files import free_bytes, ran_out_of_space, read_json_object, why_unreadable
-from .default_model import ensure_default_model
+from .default_model import ensure_default_model, recorded_base
 from .named_models import NAMED_MODELS, ensure_named_model, named_model
 
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 RUN_AGAIN = "free space and run the same command again"
 
 
-def resolve_model(model: str | None) -> str:
-    """The local folder (or Hub id) to load; the embedded default model when `model` is None, and a named model
-    (`named_models.NAMED_MODELS`: qwen2.5-coder-1.5b, gemma-3-270m, smollm2-135m) fetched and converted once.
+def resolve_model(model: str | None, adapter: str | Path | None = None) -> str:
+    """The local folder (or Hub id) to load. `model` None: the base `adapter` was trained on where it records a local
+    folder, else the embedded default model; a named model (`named_models.NAMED_MODELS`: qwen2.5-coder-1.5b,
+    gemma-3-270m, smollm2-135m) is fetched and converted once.
 
     A local folder must hold a config.json that transformers reads as a causal language model (`check_model_folder`).
     """
+    if model is None and (recorded := recorded_base(adapter)) is not None:
+        model = recorded  # the base the adapter was trained on, as peft's AutoPeftModelForCausalLM loads it
     if model is None:
         return str(ensure_default_model())
     path = Path(model).expanduser()

@@ -62,8 +62,8 @@ class PactModelForCausalLM:
         frozen weights were built from (`dtype="auto"`; for an adapter that does not record it, bf16) and with its
         16-bit linears 16-bit (`PactConfig.sixteen_bit_modules`). Another adapter gets its own 16-bit set when it is
         active (`set_adapter`)."""
-        path = resolve_model(base)
         adapters = {"default": adapter} if isinstance(adapter, (str, Path)) else dict(adapter or {})
+        path = resolve_model(base, next(iter(adapters.values()), None))
         configs = {name: read_adapter_config(folder) for name, folder in adapters.items()}
         dtype, dense = trained_base(next(iter(configs.values()), None), path, dtype)
         quantization = PactQuantizationConfig(
