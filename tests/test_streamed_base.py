@@ -38,6 +38,7 @@ def test_the_streamed_base_is_the_model_get_peft_model_builds(small_model, dtype
         frozen = [m for m in model.modules() if isinstance(m, FrozenLinear)]
         assert len(frozen) == 14 and all(m.backend is config.get_backend() for m in frozen)
         assert config.base_dtype == str(dtype).removeprefix("torch.")
+        assert model.peft_config["default"].base_model_name_or_path == str(small_model)  # not the packed cache
         assert len(list((tmp_path / "packed").iterdir())) == 1  # written by the first load, read by the second
 
 

@@ -49,7 +49,14 @@ def packed_folder(path: str, dtype: torch.dtype, sixteen_bit: list[str] | None) 
 
 def load_packed(path: str, given: str | None, quantization, dtype: torch.dtype):
     """The base at `path` on PACT's NVFP4 layers (`quantization`: a PactQuantizationConfig), read from its cached
-    packed folder, which is written on the first call."""
+    packed folder, which is written on the first call. The model names `path` as where it came from (what peft
+    records as an adapter's base_model_name_or_path), never the cache."""
+    model = _load_packed(path, given, quantization, dtype)
+    model.config._name_or_path = model.name_or_path = path
+    return model
+
+
+def _load_packed(path: str, given: str | None, quantization, dtype: torch.dtype):
     cached = packed_folder(path, dtype, quantization.modules_in_16bit)
     if cached is not None and (cached / "config.json").is_file():
         try:
