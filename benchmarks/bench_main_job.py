@@ -68,6 +68,12 @@ TARGETS = (
     ("accuracy_diff_pts", ">=", -1.0, "held-out accuracy >= peft_lora - 1 point"),
     ("rss_ratio", "<=", 1.0, "peak RSS <= peft_lora's"),
 )
+# issue 51's, at 1.5B: (summary key, comparison, bound, words); the GGUF's against the use path and its source file
+TARGETS_LARGE = (
+    ("time_ratio", "<=", 1.0, "training time <= 1.00x peft_lora"),
+    ("as_used_diff_pts", ">=", -1.0, "as-used accuracy >= peft_lora's merged model - 1 point"),
+    ("rss_ratio", "<=", 0.40, "peak RSS <= 0.40x peft_lora's"),
+)
 
 
 def job_settings(model_name: str | None = None) -> dict:
@@ -284,18 +290,29 @@ def summarize(runs: list[dict]) -> dict:
     return out
 
 
-def targets(summary: dict, all_nvfp4_bytes: int | None = None) -> dict:
-    """The issues' targets for pact_finetune against peft_lora, each with its value and whether it was met."""
+def targets(summary: dict, all_nvfp4_bytes: int | None = None, source_gguf_bytes: int | None = None) -> dict:
+    """The issues' targets for pact_finetune against peft_lora, each with its value and whether it was met; with
+    `source_gguf_bytes` (a named model's own GGUF, `--model`), issue 51's targets at that size."""
     pact = summary.get("pact_finetune", {})
     vs = pact.get("vs_" + REF)
     if vs is None:
         return {}
     out = {}
-    for key, op, bound, words in TARGETS:
+    for key, op, bound, words in TARGETS if source_gguf_bytes is None else TARGETS_LARGE:
+        if key not in vs:
+            continue
         value = vs[key]["mean"] if isinstance(vs[key], dict) else vs[key]
         met = value <= bound if op == "<=" else value >= bound
         out[key] = {"value": value, "target": f"{op} {bound:g}", "met": met, "words": words}
     gaps = pact.get("gguf_minus_summary_pts")
+    if gaps is not None and source_gguf_bytes is not None:  # issue 51
+        value = pact["gguf_accuracy_pct"]["mean"] - pact["as_used_accuracy_pct"]["mean"]
+        out["gguf_minus_use_path_pts"] = {"value": value, "target": ">= -1", "met": value >= -1.0,
+                                          "words": "GGUF in llama.cpp >= the use path - 1 point (mean)"}  # fmt: skip
+        value = pact["gguf_mb"] * 1e6 / source_gguf_bytes
+        out["gguf_size_vs_source"] = {"value": value, "target": "<= 1.1", "met": value <= 1.1,
+                                      "words": "GGUF size <= 1.1x the model's own Q4_K_M file"}  # fmt: skip
+        return out
     if gaps is not None:  # issue 49
         out["summary_equals_use_path"] = {"value": pact["summary_equals_use_path"], "target": "== True",
                                           "met": pact["summary_equals_use_path"],
@@ -372,7 +389,9 @@ def save(results: dict, out: Path) -> None:
     from optimum_pact.files import write_text_atomic
 
     results["summary"] = summarize(results["runs"])
-    results["targets"] = targets(results["summary"], results.get("all_nvfp4_gguf_bytes"))
+    results["targets"] = targets(
+        results["summary"], results.get("all_nvfp4_gguf_bytes"), results.get("source_gguf_bytes")
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out, json.dumps(results, indent=1) + "\n")
 
@@ -417,6 +436,7 @@ def main() -> None:
     from resume import check_settings
 
     from optimum_pact.commands.model_folder import resolve_model
+    from optimum_pact.commands.named_models import named_model
 
     config = {
         "dtype": args.dtype,
@@ -433,6 +453,9 @@ def main() -> None:
     results = {"bench": "main_job", "config": config, "machine": where, "cpu": cpu_model(), "date": piece["date"],
                "versions": versions(), "pieces": previous.get("pieces", []),
                "runs": previous.get("runs", [])}  # fmt: skip
+    named = named_model(args.model) if args.model else None
+    if named is not None and named.gguf.endswith("q4_k_m.gguf"):  # the file the model came from: issue 51's size
+        results["source_gguf_bytes"] = named.size
     if any(arm.startswith("pact_finetune") for arm in arms):  # what the GGUF's size is measured against
         results["all_nvfp4_gguf_bytes"] = previous.get("all_nvfp4_gguf_bytes") or all_nvfp4_gguf_bytes(args.model)
     done = {(r["arm"], r["seed"]) for r in results["runs"]}

