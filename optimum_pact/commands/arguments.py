@@ -194,7 +194,7 @@ def read_run_file(path: str, parser: HfArgumentParser) -> dict:
 def main_job_defaults(model: str | None) -> dict:
     """The main job's defaults for `--model` where they differ from `MAIN_JOB_DEFAULTS` (a named model's own,
     chosen by measurement at its size: `named_models.NamedModel.main_job`)."""
-    named = named_model(model) if model is not None and not Path(model).expanduser().exists() else None
+    named = named_model(model) if model is not None else None
     return dict(named.main_job) if named is not None else {}
 
 

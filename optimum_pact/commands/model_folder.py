@@ -39,9 +39,9 @@ def resolve_model(model: str | None, adapter: str | Path | None = None) -> str:
         model = recorded  # the base the adapter was trained on, as peft's AutoPeftModelForCausalLM loads it
     if model is None:
         return str(ensure_default_model())
-    path = Path(model).expanduser()
-    if not path.exists() and (named := named_model(model)) is not None:
+    if (named := named_model(model)) is not None:
         return str(ensure_named_model(named))
+    path = Path(model).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
             raise FileNotFoundError(

