@@ -2,12 +2,15 @@
 one weight at a time, the base loaded through PACT's quantizer. It must be exactly the model `get_peft_model` builds
 from the loaded 16-bit base: the same protected linears, the same adapter start, the same logits."""
 
+import json
+
 import pytest
 import torch
 from peft import get_peft_model
 from transformers import AutoModelForCausalLM
 
-from optimum_pact.commands.streamed_base import load_streamed_base, streams
+from optimum_pact.commands import streamed_base
+from optimum_pact.commands.streamed_base import load_streamed_base, protected_from_checkpoint, streams
 from optimum_pact.dataflow import FrozenLinear
 from peft_ext import PactConfig
 
@@ -48,3 +51,24 @@ def test_what_needs_the_unquantized_model_loads_it_as_before(small_model):
     assert not streams(_config(precision_budget_mib=1.0), str(small_model))
     assert not streams(_config(adapt="speed"), str(small_model))
     assert not streams(_config(), "HuggingFaceTB/SmolLM2-135M-Instruct")  # no local checkpoint to read
+
+
+def test_the_ranking_is_computed_once_per_checkpoint_and_read_back_exactly(small_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("PACT_CACHE", str(tmp_path))
+    _, protected = protected_from_checkpoint(_config(), str(small_model), torch.bfloat16)
+    (cached,) = (tmp_path / "ranking").iterdir()
+    errors = dict(json.loads(cached.read_text()))
+    assert len(errors) == 14 and sorted(errors, key=lambda n: (-errors[n], n))[:4] == protected
+    calls = []
+    monkeypatch.setattr(streamed_base, "reconstruction_error", lambda *a: calls.append(a) or 0.0)
+    assert protected_from_checkpoint(_config(), str(small_model), torch.bfloat16)[1] == protected  # read back
+    assert calls == []
+    half = protected_from_checkpoint(_config(protect_fraction=0.5), str(small_model), torch.bfloat16)[1]
+    assert half[:4] == protected and len(half) == 7
+    assert calls == []  # another fraction of the same errors
+    protected_from_checkpoint(_config(), str(small_model), torch.float32)
+    assert len(calls) == 14  # another dtype: its own errors
+    cached.write_text("not json")  # damaged: ranked again
+    calls.clear()
+    assert protected_from_checkpoint(_config(), str(small_model), torch.bfloat16)[1] == sorted(errors)[:4]  # ties
+    assert len(calls) == 14
