@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from optimum_pact.nvfp4 import quantize
-from optimum_pact.nvfp4.gptq import gptq_quantize
+from optimum_pact.nvfp4.gptq import _inverse_cholesky, gptq_quantize
 
 
 def _same(a, b) -> bool:
@@ -59,3 +59,12 @@ def test_the_moments_are_taken_over_real_tokens_and_shared_by_layers_reading_one
     with torch.no_grad():  # layer 0's attention reads the normed embeddings of the 13 real tokens, and nothing else
         x = model.model.layers[0].input_layernorm(model.model.embed_tokens(torch.tensor(sum(rows, []))))
     torch.testing.assert_close(batched[names[0]], x.T @ x, rtol=1e-5, atol=1e-5)
+
+
+def test_the_inverse_factor_is_the_cholesky_factor_of_the_inverse():
+    x = torch.randn(300, 96, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    h = x.T @ x + 0.01 * torch.eye(96, dtype=torch.float64)
+    u = _inverse_cholesky(h)
+    assert torch.equal(u, u.triu()) and bool((torch.diagonal(u) > 0).all())
+    torch.testing.assert_close(u.T @ u, torch.linalg.inv(h), rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(u, torch.linalg.cholesky(torch.linalg.inv(h), upper=True), rtol=1e-9, atol=1e-12)

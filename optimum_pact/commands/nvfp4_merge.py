@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, DataCollatorForSeq2Seq
 
 from peft_ext.layer import PactLoraLinear
@@ -153,7 +154,8 @@ def merged_weights(
         merged[name] = weight
         lost[name], dots[name] = float((change - delta).pow(2).sum()), float((change * delta).sum())
 
-    for name, layer in layers.items():
+    # a bar over the rounding: at 1.5B parameters it is minutes (GPTQ's factorizations for the 8960-input layers)
+    for name, layer in tqdm(layers.items(), desc="rounding the merge", unit="linear", leave=False):
         base = layer.get_base_layer()
         trained = base.dequantize(torch.float32)  # the base the adapter was trained against
         delta = layer.get_delta_weight(adapter).float()
