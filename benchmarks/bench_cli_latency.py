@@ -31,7 +31,7 @@ TARGETS = {"generate_pact": 3.0, "chat_pact": 3.0, "generate_llama": 1.5, "chat_
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "cli_latency" / "results.json"
 
 
-def commands(pact: str, adapter: str) -> dict[str, tuple[list[str], str | None]]:
+def commands(pact: str, adapter: str, prompt: str = PROMPT) -> dict[str, tuple[list[str], str | None]]:
     """{arm: (argv, stdin)}."""
     llama = ["--engine", "llama.cpp"]
     return {
@@ -39,10 +39,10 @@ def commands(pact: str, adapter: str) -> dict[str, tuple[list[str], str | None]]
         "import_torch": ([sys.executable, "-c", "import torch"], None),
         # what the pact engine must import before it can load anything: transformers' model code and peft
         "import_stack": ([sys.executable, "-c", "import transformers.models.llama.modeling_llama, peft"], None),
-        "generate_pact": ([pact, "generate", "--adapter", adapter, PROMPT], None),
-        "chat_pact": ([pact, "chat", "--adapter", adapter], PROMPT + "\n"),
-        "generate_llama": ([pact, "generate", "--adapter", adapter, *llama, PROMPT], None),
-        "chat_llama": ([pact, "chat", "--adapter", adapter, *llama], PROMPT + "\n"),
+        "generate_pact": ([pact, "generate", "--adapter", adapter, prompt], None),
+        "chat_pact": ([pact, "chat", "--adapter", adapter], prompt + "\n"),
+        "generate_llama": ([pact, "generate", "--adapter", adapter, *llama, prompt], None),
+        "chat_llama": ([pact, "chat", "--adapter", adapter, *llama], prompt + "\n"),
     }
 
 
@@ -60,10 +60,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--adapter", required=True, help="a main-job adapter folder (e.g. a run's OUTPUT/adapter)")
     parser.add_argument("--rounds", type=int, default=5, help="times each command runs (in turn, A B C A B C ...)")
+    parser.add_argument("--prompt", default=PROMPT, help="what each command answers (a chat adapter: a message)")
     parser.add_argument("--output", default=str(DEFAULT_OUTPUT))
     args = parser.parse_args()
     pact = shutil.which("pact") or str(Path(sys.executable).with_name("pact"))
-    arms = commands(pact, args.adapter)
+    arms = commands(pact, args.adapter, args.prompt)
     log("warming up (the llama.cpp engine's GGUF is exported on its first use; the page cache filled)")
     for argv, stdin in arms.values():
         timed(argv, stdin)
@@ -79,7 +80,8 @@ def main() -> None:
     targets = {arm: {"value": medians[arm], "target": f"<= {bound}", "met": medians[arm] <= bound}
                for arm, bound in TARGETS.items()}  # fmt: skip
     results = {"bench": "cli_latency", "date": date.today().isoformat(), "machine": machine(), "cpu": cpu_model(),
-               "threads": os.cpu_count(), "rounds": args.rounds, "prompt": PROMPT, "seconds": seconds,
+               "threads": os.cpu_count(), "rounds": args.rounds, "prompt": args.prompt,
+               "adapter": args.adapter, "seconds": seconds,
                "answers": {arm: answers[arm] for arm in arms if not arm.startswith(("python", "import"))},
                "summary": summary, "targets": targets}  # fmt: skip
     out = Path(args.output)

@@ -365,6 +365,14 @@ def train_step(results: dict) -> str:
 
 
 @section(
+    "cli_latency_qwen1.5b",
+    "How long an answer takes at 1.5B: a chat adapter of Qwen2.5-Coder-1.5B",
+    'python benchmarks/bench_cli_latency.py --adapter chat15/adapter --prompt "Lena: What time is the dentist?" '
+    "--rounds 3 --output benchmarks/results/cli_latency_qwen1.5b/results.json",
+    note="the adapter of `pact finetune --model qwen2.5-coder-1.5b --data chat --output chat15`; its base (the "
+    "named model, recorded in the adapter) and packed base cached and, for --engine llama.cpp, its GGUF",
+)
+@section(
     "cli_latency",
     "How long an answer takes: the README's use commands as whole processes",
     "python benchmarks/bench_cli_latency.py --adapter pact-output/adapter",
@@ -385,6 +393,27 @@ def cli_latency(results: dict) -> str:
         answer = results["answers"].get(arm, "")
         lines.append(f"| `{arm}` | {figures['median_s']:.2f} | {figures['min_s']:.2f} | {figures['max_s']:.2f} | "
                      f"{bound} | {answer} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+@section(
+    "gguf_types",
+    "The phone file's types: `pact export --format gguf --embeddings ...`",
+    "python benchmarks/bench_gguf_types.py --adapter ADAPTER [--model qwen2.5-coder-1.5b] "
+    "--output benchmarks/results/gguf_types/results.json",
+    note="one main-job adapter (seed 0) per base, merged once by the export's default merge, written with each "
+    "choice; untimed",
+)
+def gguf_types(results: dict) -> str:
+    choices = list(results["runs"][0]["files"])
+    lines = ["Each file's size and llama.cpp's held-out accuracy on the main job's notes, beside the adapter's use "
+             "path (`pact generate`'s model) and the GGUF the base came from:", "",
+             "| base | " + " | ".join(f"`{c}`" for c in choices) + " | use path | source GGUF |",
+             "|---" * (3 + len(choices)) + "|"]  # fmt: skip
+    for run in results["runs"]:
+        cells = " | ".join(f"{f['mb']:.1f} MB, {100 * f['accuracy']:.1f}%" for f in run["files"].values())
+        source = f"{run['source_gguf_mb']:.1f} MB" if run.get("source_gguf_mb") else "-"
+        lines.append(f"| {Path(run['base']).name} | {cells} | {100 * run['use_path_accuracy']:.1f}% | {source} |")
     return "\n".join(lines)
 
 

@@ -91,7 +91,7 @@ def test_the_packing_is_llama_cpps_nvfp4_bit_for_bit():
 
 def test_the_gguf_holds_pacts_codes_and_scales_under_llama_cpp_names(nvfp4_folder, tmp_path):
     arch, folder = nvfp4_folder
-    out = write_gguf(folder, tmp_path / "model.gguf")
+    out = write_gguf(folder, tmp_path / "model.gguf", embeddings="f16")
     reader = gguf.GGUFReader(out)
     fields = {name: field.contents() for name, field in reader.fields.items()}
     # llama.cpp's qwen2 ignores NVFP4's per-tensor scales; its llama applies them, and a Qwen2 is a Llama with biases
@@ -135,16 +135,38 @@ def test_the_gguf_holds_pacts_codes_and_scales_under_llama_cpp_names(nvfp4_folde
 def test_embeddings_f16_q8_0_f32_and_what_they_cost(nvfp4_folder, tmp_path):
     _, folder = nvfp4_folder
     sizes = {}
-    for kind, ggml in (("f32", "F32"), ("f16", "F16"), ("q8_0", "Q8_0")):
+    for kind, ggml in (("f32", "F32"), ("f16", "F16"), ("q8_0", "Q8_0"), ("auto", "Q8_0")):
         out = write_gguf(folder, tmp_path / f"{kind}.gguf", embeddings=kind)
         tensors = {t.name: t for t in gguf.GGUFReader(out).tensors}
-        assert tensors["token_embd.weight"].tensor_type.name == ggml
+        assert tensors["token_embd.weight"].tensor_type.name == ggml  # auto: a tied embedding is the output head
         sizes[kind] = out.stat().st_size
     embedding = 49152 * 64  # weights of the embedding, the bulk of this small model
     assert sizes["f32"] - sizes["f16"] == pytest.approx(2 * embedding, rel=0.01)
     assert sizes["f16"] - sizes["q8_0"] == pytest.approx(2 * embedding - embedding * 34 / 32, rel=0.01)
-    with pytest.raises(ValueError, match="--embeddings 'bf16' is not one of f16, q8_0, f32"):
+    assert sizes["auto"] == sizes["q8_0"]  # nothing else is 16-bit here
+    with pytest.raises(ValueError, match="--embeddings 'bf16' is not one of auto, f16, q8_0, f32"):
         write_gguf(folder, tmp_path / "x.gguf", embeddings="bf16")
+
+
+def test_auto_types_a_separate_embedding_q4_1_and_16_bit_linears_q5_1_and_llama_cpp_runs_it(small_model, tmp_path):
+    """A model with its own output matrix and one linear kept 16-bit: each in its role's type, and llama.cpp's logits
+    on the file stay near PACT's on the folder (5-bit weights there: nearer than a wrong layout, not equal)."""
+    model = AutoModelForCausalLM.from_pretrained(small_model)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone() * 1.5)
+    model.save_pretrained(tmp_path / "untied")
+    AutoTokenizer.from_pretrained(small_model).save_pretrained(tmp_path / "untied")
+    kept = "model.layers.0.mlp.down_proj"
+    quantization = PactQuantizationConfig(modules_in_16bit=[kept])
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "untied", quantization_config=quantization)
+    assert model.get_submodule(kept).precision == "fp16"
+    save_nvfp4_folder(model, AutoTokenizer.from_pretrained(small_model), tmp_path / "nvfp4")
+    out = write_gguf(tmp_path / "nvfp4", tmp_path / "auto.gguf")
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
+    assert types["output.weight"] == "Q8_0" and types["token_embd.weight"] == "Q4_1"
+    assert types["blk.0.ffn_down.weight"] == "Q5_1" and types["blk.1.ffn_down.weight"] == "NVFP4"
+    gap, agree = _largest_gap(tmp_path / "nvfp4", out)
+    assert gap < 0.1 and agree >= 0.8, (gap, agree)
 
 
 def test_transformers_still_loads_the_folder_through_pacts_quantizer(nvfp4_folder):
@@ -203,7 +225,8 @@ def test_q_and_k_rows_in_the_wrong_order_fail_the_check_above(nvfp4_folder, tmp_
 
 
 def test_a_16bit_linear_is_a_16bit_ggml_tensor_merged_exactly(small_model, tmp_path):
-    """An adapter trained with some linears 16-bit: the GGUF mixes types as Q4_K_M files do, NVFP4 and F16."""
+    """An adapter trained with some linears 16-bit: with --embeddings f16 the GGUF mixes NVFP4 and F16 (auto writes
+    them Q5_1, tested above), the 16-bit ones merged exactly."""
     from peft import get_peft_model
 
     from peft_ext import PactConfig
@@ -220,7 +243,7 @@ def test_a_16bit_linear_is_a_16bit_ggml_tensor_merged_exactly(small_model, tmp_p
     model.save_pretrained(tmp_path / "adapter")
     out = tmp_path / "me.gguf"
     assert main(["export", "--format", "gguf", "--adapter", str(tmp_path / "adapter"), "--model", str(small_model),
-                 "--output", str(out), "--size_budget", "1"]) == 0  # fmt: skip
+                 "--output", str(out), "--size_budget", "1", "--embeddings", "f16"]) == 0  # fmt: skip
     tensors = {t.name: t for t in gguf.GGUFReader(out).tensors}
     types = {name: tensors[f"blk.{b}.{short}.weight"].tensor_type.name for b in range(2)
              for module, short in LINEARS.items() for name in [f"model.layers.{b}.{module}"]}  # fmt: skip
@@ -251,8 +274,9 @@ def test_pact_export_gguf_merged_and_no_merge_and_llama_cpps_lora_refusal(small_
     unmerged = {t.name: t for t in gguf.GGUFReader(tmp_path / "base.gguf").tensors}
     linears = [name for name, t in unmerged.items() if t.tensor_type == NVFP4]
     rounded = [name for name in linears if merged[name].tensor_type == NVFP4]
-    kept = [name for name in linears if merged[name].tensor_type == gguf.GGMLQuantizationType.F16]
-    # the size budget keeps the linears rounded worst 16-bit, and rounds the rest with the change merged
+    kept = [name for name in linears if merged[name].tensor_type == gguf.GGMLQuantizationType.Q5_1]
+    # the size budget keeps the linears rounded worst 16-bit (Q5_1 in the file: --embeddings auto), and rounds the
+    # rest with the change merged
     assert rounded and kept and len(rounded) + len(kept) == len(linears) == 14
     assert not any(np.array_equal(merged[name].data, unmerged[name].data) for name in rounded)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter", "base.gguf", "me.gguf"]  # no leftovers

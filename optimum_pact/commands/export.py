@@ -84,10 +84,11 @@ class ExportArguments:
         },
     )
     embeddings: str = field(
-        default="f16",
+        default="auto",
         metadata={
-            "help": "gguf: the type of the embeddings, the output head and any 16-bit linear (q8_0: half of f16's "
-            "size; f32: twice).",
+            "help": "gguf: the type of the embeddings, the output head and any 16-bit linear: auto (the output head "
+            "q8_0, a separate token embedding q4_1, 16-bit linears q5_1: each by its role, as Q4_K_M files do), or "
+            "f16, q8_0 (half of f16's size), f32 for all three.",
             "choices": list(EMBEDDINGS),
         },
     )
@@ -119,7 +120,7 @@ def export_merged(adapter: str | Path, output: str | Path, base: str | None = No
 def export(args: ExportArguments) -> Path:
     if args.format not in FORMATS:
         raise ValueError(f"--format {args.format!r} is not one of {', '.join(FORMATS)}")
-    if args.format != "gguf" and (args.no_merge or args.embeddings != "f16"):
+    if args.format != "gguf" and (args.no_merge or args.embeddings != "auto"):
         given = "--no-merge" if args.no_merge else f"--embeddings {args.embeddings}"
         raise ValueError(f"{given} is for --format gguf, not {args.format!r}")
     if args.format == "gguf-lora":

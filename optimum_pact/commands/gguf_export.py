@@ -7,8 +7,15 @@ report printed); `--no-merge` writes the NVFP4 base the adapter was trained on. 
 PACT's NVFP4 layers (the ModelOpt layout) first, and `write_gguf` turns such a folder into a GGUF with gguf's own
 GGUFWriter: llama.cpp's names, hyperparameters and BPE tokenizer (vocab, merges, special tokens, chat template),
 every NVFP4 linear as GGML type NVFP4 holding PACT's codes and e4m3 block scales unchanged (`nvfp4/gguf.py`), its
-per-tensor scale as the float32 tensor `<name>.scale`, and the 16-bit tensors (embeddings, output head, linears
-kept 16-bit) in `--embeddings` (f16, q8_0 or f32); norms and biases float32. llama and qwen2 only.
+per-tensor scale as the float32 tensor `<name>.scale`, and the 16-bit tensors in `--embeddings`; norms and biases
+float32. llama and qwen2 only.
+
+`--embeddings auto` (the default) types each 16-bit tensor by its role, as llama.cpp's Q4_K_M files do (theirs: a Q6_K
+head, a Q4_K embedding; gguf's Python writer quantizes neither type): the output head Q8_0 (a tied embedding is the
+head), a separate token embedding Q4_1 (a table of rows, each read alone), the linears kept 16-bit Q5_1 (finer than
+NVFP4, a third of f16's bytes). f16, q8_0 and f32 write all three in that type. docs/export.md has what each costs
+and keeps (benchmarks/bench_gguf_types.py): at 1.5B, auto is 1.08x the Q4_K_M file the model came from, f16 1.95x, at
+the same accuracy; a 5-bit output head is what it avoids.
 """
 
 from __future__ import annotations
@@ -38,11 +45,14 @@ from .nvfp4_merge import SIZE_BUDGET, export_nvfp4_merged, save_merged, save_nvf
 
 logger = logging.getLogger(__name__)
 
-EMBEDDINGS = {"f16": gguf.GGMLQuantizationType.F16, "q8_0": gguf.GGMLQuantizationType.Q8_0,
-              "f32": gguf.GGMLQuantizationType.F32}  # fmt: skip
+_TYPE = gguf.GGMLQuantizationType
+# --embeddings: the GGML type of (the output head, a separate token embedding, the linears kept 16-bit)
+EMBEDDINGS = {"auto": (_TYPE.Q8_0, _TYPE.Q4_1, _TYPE.Q5_1), "f16": (_TYPE.F16,) * 3, "q8_0": (_TYPE.Q8_0,) * 3,
+              "f32": (_TYPE.F32,) * 3}  # fmt: skip
 # the tensors outside the blocks, HF name -> llama.cpp's
 OUTSIDE = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}  # fmt: skip
+_ROLES = ("output.weight", "token_embd.weight")  # the tensors outside the blocks with a type of their own
 NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
 # the llama.cpp architecture each is written as. This llama.cpp's qwen2 graph ignores the NVFP4 per-tensor scales
 # (`<name>.scale`), its llama graph applies them; a Qwen2 is a Llama with q/k/v biases and half-rotated heads, so it
@@ -63,7 +73,7 @@ def export_gguf(
     adapter: str | Path,
     output: str | Path,
     base: str | None = None,
-    embeddings: str = "f16",
+    embeddings: str = "auto",
     merge: bool = True,
     data: str | None = None,
     requantize_from: str = "nvfp4",
@@ -133,8 +143,8 @@ def _say_llama_cpp_score(output: Path, folder: Path, data: str | None) -> None:
 def check_embeddings(embeddings: str) -> None:
     if embeddings not in EMBEDDINGS:
         raise ValueError(
-            f"--embeddings {embeddings!r} is not one of {', '.join(EMBEDDINGS)}; pass f16 (the default), q8_0 "
-            "(half its size) or f32"
+            f"--embeddings {embeddings!r} is not one of {', '.join(EMBEDDINGS)}; pass auto (the default: each "
+            "16-bit tensor typed by its role), f16, q8_0 (half of f16's size) or f32"
         )
 
 
@@ -155,7 +165,7 @@ def check_architecture(config, path) -> str:
     return architecture
 
 
-def write_gguf(folder: str | Path, output: str | Path, embeddings: str = "f16") -> Path:
+def write_gguf(folder: str | Path, output: str | Path, embeddings: str = "auto") -> Path:
     """Write the model folder `folder` (saved on PACT's NVFP4 layers: ModelOpt layout) as a GGUF at `output`."""
     folder, output = Path(folder), Path(output)
     check_embeddings(embeddings)
@@ -169,7 +179,8 @@ def write_gguf(folder: str | Path, output: str | Path, embeddings: str = "f16") 
     writer = gguf.GGUFWriter(None, architecture)  # gathers all in memory; the file comes at write_*
     _add_hyperparameters(writer, config, output.stem)
     _add_tokenizer(writer, folder, config.vocab_size)
-    size = _add_tensors(writer, folder, config, architecture, EMBEDDINGS[embeddings])
+    size = _add_tensors(writer, folder, config, architecture, dict(zip(("output", "token_embd", "linear"),
+                                                                      EMBEDDINGS[embeddings])))  # fmt: skip
     return write_gguf_file(writer, output, size)
 
 
@@ -283,8 +294,9 @@ def _gguf_name(name: str, folder: Path) -> str:
     )
 
 
-def _add_tensors(writer: gguf.GGUFWriter, folder: Path, config, architecture: str, dense_type) -> int:
-    """Every tensor of the folder under llama.cpp's name; returns the bytes written."""
+def _add_tensors(writer: gguf.GGUFWriter, folder: Path, config, architecture: str, types: dict) -> int:
+    """Every tensor of the folder under llama.cpp's name, a 16-bit matrix in `types`' type for its role ("output",
+    "token_embd", "linear"); returns the bytes written."""
     tensors = _read_tensors(folder)
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     size = 0
@@ -313,13 +325,15 @@ def _add_tensors(writer: gguf.GGUFWriter, folder: Path, config, architecture: st
         if rows is not None:
             tensor = llama_rows(tensor, rows)
         data = tensor.float().numpy()
+        tied = target == "token_embd.weight" and getattr(config, "tie_word_embeddings", False)
+        kind = types["output" if tied else target.removesuffix(".weight") if target in _ROLES else "linear"]
         if tensor.dim() == 1:  # norms and biases
             writer.add_tensor(target, data)
-        elif dense_type == gguf.GGMLQuantizationType.Q8_0 and data.shape[-1] % 32 == 0:
-            data = gguf.quants.quantize(data, dense_type)
-            writer.add_tensor(target, data, raw_dtype=dense_type)
-        else:
-            data = data.astype(np.float16 if dense_type == gguf.GGMLQuantizationType.F16 else np.float32)
+        elif kind not in (_TYPE.F16, _TYPE.F32) and data.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0] == 0:
+            data = gguf.quants.quantize(data, kind)
+            writer.add_tensor(target, data, raw_dtype=kind)
+        else:  # f16 asked, or rows no whole number of the type's blocks
+            data = data.astype(np.float32 if kind == _TYPE.F32 else np.float16)
             writer.add_tensor(target, data)
         size += data.nbytes
     return size
