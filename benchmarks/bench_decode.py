@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import cpu_model  # lscpu's model, AMX, vector width (one copy)
+from common import cpu_model, llama_cpp_arm  # lscpu's model, AMX, vector width (one copy); llama.cpp's arm
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
@@ -53,30 +53,6 @@ def timed_generate(model, ids: torch.Tensor, new: int) -> float:
 def decode_tps(model, ids: torch.Tensor, new: int) -> float:
     first = timed_generate(model, ids, 1)
     return (new - 1) / (timed_generate(model, ids, new) - first)
-
-
-def llama_cpp_arm(prompt: list[int], new: int, threads: int, gguf=None):
-    """Decode speed of llama.cpp on `gguf` (default: the Q4_1 GGUF the default model comes from)."""
-    if importlib.util.find_spec("llama_cpp") is None:
-        return None
-    from llama_cpp import Llama
-
-    gguf = default_gguf_path() if gguf is None else gguf
-    llm = Llama(model_path=str(gguf), n_threads=threads, n_ctx=512, verbose=False)
-
-    def run() -> float:
-        def timed(count):
-            llm.reset()
-            start = time.perf_counter()
-            for i, _ in enumerate(llm.generate(prompt, temp=0.0, top_k=1)):
-                if i + 1 >= count:
-                    break
-            return time.perf_counter() - start
-
-        first = timed(1)
-        return (new - 1) / (timed(new) - first)
-
-    return run
 
 
 def breakdown(model, ids: torch.Tensor, new: int) -> dict[str, float]:

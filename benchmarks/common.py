@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import importlib.util
 import os
 import platform
 import subprocess
 import sys
+import time
 
 # Qwen2.5-0.5B's published config numbers (random weights: speed and memory only)
 QWEN25_05B = dict(
@@ -100,3 +102,30 @@ def trim_memory() -> None:
 def reset_peak_rss() -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+
+
+def llama_cpp_arm(prompt: list[int], new: int, threads: int, gguf=None):
+    """A function timing llama.cpp's decode of `gguf` (default: the Q4_1 GGUF the default model comes from):
+    (new - 1) / (time for `new` tokens - time for 1), greedy, batch 1, `threads` threads; None without llama.cpp."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    from llama_cpp import Llama
+
+    from optimum_pact.commands.default_model import default_gguf_path
+
+    gguf = default_gguf_path() if gguf is None else gguf
+    llm = Llama(model_path=str(gguf), n_threads=threads, n_ctx=512, verbose=False)
+
+    def run() -> float:
+        def timed(count):
+            llm.reset()
+            start = time.perf_counter()
+            for i, _ in enumerate(llm.generate(prompt, temp=0.0, top_k=1)):
+                if i + 1 >= count:
+                    break
+            return time.perf_counter() - start
+
+        first = timed(1)
+        return (new - 1) / (timed(new) - first)
+
+    return run

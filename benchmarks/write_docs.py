@@ -397,6 +397,27 @@ def cli_latency(results: dict) -> str:
 
 
 @section(
+    "phone_file_qwen1.5b",
+    "The phone file at 1.5B: decode speed in llama.cpp beside the Q4_K_M file it came from",
+    "python benchmarks/bench_phone_file.py --gguf chat15/adapter/pact-model.gguf --model qwen2.5-coder-1.5b "
+    "--rounds 3 --output benchmarks/results/phone_file_qwen1.5b/results.json",
+    note="the file `pact generate --engine llama.cpp` exported beside a `--data chat` adapter of the 1.5B (the "
+    "export's defaults: GPTQ merge, size budget 1.3, --embeddings auto); its accuracy is in the section on the "
+    "file's types",
+)
+def phone_file(results: dict) -> str:
+    speed, size = results["decode_tokens_per_s"], results["size_mb"]
+    return "\n".join([
+        f"Greedy decode, batch 1, {results['threads']} threads, {results['prompt_tokens']}-token prompt, "
+        f"{results['new_tokens']} new tokens, medians of {results['rounds']} rounds in turn:", "",
+        "| file | size | tokens/s |", "|---|---|---|",
+        f"| PACT's export (NVFP4 linears) | {size['pact_gguf']:.1f} MB | {speed['pact_gguf']:.1f} |",
+        f"| {results['source']} | {size['source']:.1f} MB | {speed['source']:.1f} |",
+        f"| ratio | {results['size_ratio']:.3f}x | {results['decode_ratio']:.3f}x |",
+    ])  # fmt: skip
+
+
+@section(
     "gguf_types",
     "The phone file's types: `pact export --format gguf --embeddings ...`",
     "python benchmarks/bench_gguf_types.py --adapter ADAPTER [--model qwen2.5-coder-1.5b] "
