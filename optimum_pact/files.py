@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 import zipfile
 from pathlib import Path
 
@@ -34,6 +35,18 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def aside_folder(parent: Path, stem: str) -> Path:
+    """A new private folder `.<stem>-<pid>-<random>` in `parent` to write into before renaming it into place. Ones
+    that a dead process left (killed mid-write: SIGKILL, a timeout, power) are removed first, so that a killed export
+    does not leave gigabytes behind; ones whose process still runs are left alone."""
+    parent.mkdir(parents=True, exist_ok=True)
+    for old in parent.glob(f".{stem}-*-*"):
+        pid = old.name.removeprefix(f".{stem}-").split("-", 1)[0]
+        if old.is_dir() and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    return Path(tempfile.mkdtemp(dir=parent, prefix=f".{stem}-{os.getpid()}-"))
 
 
 def read_json_object(path: str | Path, fix: str, label: str | None = None) -> dict:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
-import tempfile
+import shutil
 from importlib.metadata import version
 from pathlib import Path
 
@@ -32,6 +32,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer
 
+from ..files import aside_folder
 from ..nvfp4 import dequantize_reference
 from ..nvfp4.gguf import GGML_BLOCK, llama_rows, to_ggml_nvfp4
 from ..precision import resolve_dtype
@@ -92,9 +93,9 @@ def export_gguf(
     adapter = check_adapter_folder(adapter)
     path = resolve_model(base, adapter)
     check_architecture(AutoConfig.from_pretrained(path), path)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=output.parent, prefix=f".{output.name}-model-") as tmp:
-        folder = Path(tmp) / "model"
+    tmp = aside_folder(output.parent, f"{output.name}-model")  # a killed export's is removed by the next one
+    try:
+        folder = tmp / "model"
         if not merge:
             # the base as the adapter was trained on it ("auto" for an unrecorded dtype: as training picks it)
             dtype, dense = trained_base(read_adapter_config(adapter), path, unrecorded=resolve_dtype("auto"))
@@ -122,6 +123,8 @@ def export_gguf(
         write_gguf(folder, output, embeddings)
         if score and merge:
             _say_llama_cpp_score(output, folder, data)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     if not merge:
         print(f"note: {output} is the NVFP4 base without the adapter; {NO_MERGE_REFUSED}.")
     return output

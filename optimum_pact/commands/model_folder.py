@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -20,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 from ..errors import NoSpaceError
-from ..files import free_bytes, ran_out_of_space, read_json_object, why_unreadable
+from ..files import aside_folder, free_bytes, ran_out_of_space, read_json_object, why_unreadable
 from .default_model import ensure_default_model, recorded_base
 from .named_models import NAMED_MODELS, ensure_named_model, named_model
 
@@ -223,8 +222,7 @@ def written_aside(
     swapped out only once the new one is complete. A write that runs out of disk space is a NoSpaceError naming the
     folder, the space needed (`needs` bytes, an estimate; None: unknown) and ending in `fix`. The folder gets the
     permissions a plain mkdir would (a temporary folder is private)."""
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}-partial-"))
+    tmp = aside_folder(output.parent, f"{output.name}-partial")
     try:
         try:
             yield tmp
