@@ -353,7 +353,9 @@ def test_llama_cpp_scores_and_generates_as_pacts_merged_model(main_job, tmp_path
     out, proc = main_job
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = export_nvfp4_merged(out / "adapter", tmp_path / "merged")  # what --format gguf merges, scored
-    model_file = write_gguf(tmp_path / "merged", tmp_path / "me.gguf")
+    # f16: the file holds the merged model's own values, so this measures llama.cpp against PACT; what the default
+    # types (--embeddings auto) cost on top is benchmarks/bench_gguf_types.py's figure
+    model_file = write_gguf(tmp_path / "merged", tmp_path / "me.gguf", embeddings="f16")
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "merged")
     train, heldout = load_personal_dataset()
     labels = sorted({item["label"] for item in train + heldout})
@@ -405,7 +407,7 @@ def test_llama_cpp_holds_out_a_chat_adapters_loss_as_pacts_merged_model(tmp_path
     assert proc.returncode == 0, proc.stderr[-3000:]
     merged_folder = tmp_path / "merged"
     export_nvfp4_merged(run / "adapter", merged_folder, data="chat")
-    model_file = write_gguf(merged_folder, tmp_path / "chat.gguf")
+    model_file = write_gguf(merged_folder, tmp_path / "chat.gguf", embeddings="f16")  # the merged model's values
     tokenizer = AutoTokenizer.from_pretrained(merged_folder)
     form, _, heldout = load_data("chat")
     rows = tokenize_generative(tokenizer, heldout, form)
