@@ -42,9 +42,16 @@ def packed_folder(path: str, dtype: torch.dtype, sixteen_bit: list[str] | None) 
         return None
     if (json.loads((folder / "config.json").read_text()).get("quantization_config") or {}).get("quant_method"):
         return None  # already quantized: loading it quantizes nothing
+    return cache_dir("packed", checkpoint_key(folder, files, str(dtype), sorted(sixteen_bit or []), FORMAT))
+
+
+def checkpoint_key(folder: Path, files: list[Path], *settings) -> str:
+    """`<folder name>-<hash>`, naming what PACT caches from the checkpoint `folder`: the hash of its resolved path,
+    its `files` (name, size, modification time: a changed checkpoint gets a new key), `settings` (JSON values) and
+    this version of PACT."""
     stats = [(file.name, file.stat().st_size, file.stat().st_mtime_ns) for file in files]
-    key = json.dumps([str(folder.resolve()), stats, str(dtype), sorted(sixteen_bit or []), FORMAT, __version__])
-    return cache_dir("packed", f"{folder.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
+    key = json.dumps([str(folder.resolve()), stats, *settings, __version__])
+    return f"{folder.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
 def load_packed(path: str, given: str | None, quantization, dtype: torch.dtype):
@@ -90,4 +97,4 @@ def _evict(root: Path, keep: int) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-__all__ = ["FORMAT", "KEEP", "load_packed", "packed_folder"]
+__all__ = ["FORMAT", "KEEP", "checkpoint_key", "load_packed", "packed_folder"]

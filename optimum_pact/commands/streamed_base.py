@@ -8,7 +8,7 @@ alone (`rank_by` "nvfp4" or "nf4", no calibration batch), `pact finetune` instea
    no page of the file stays mapped) and computing its reconstruction error in the training dtype: the list
    `get_peft_model` would have chosen from the loaded model, the same ties broken the same way. The errors depend
    on the checkpoint, the dtype and the format alone, so they are kept in PACT's cache (`ranking/`, keyed as the
-   packed base is) and read back on the next run: 45 s of every 1.5B run on 2 cores, otherwise;
+   packed base is: `checkpoint_key`) and read back on the next run: 45 s of every 1.5B run on 2 cores, otherwise;
 2. loads the base through PACT's transformers quantizer with those linears 16-bit (`load_packed`: every other linear
    quantized while it is read, the result cached, and read from the cache the next time): the same model
    `PactModelForCausalLM` builds for the saved adapter, so what was trained is what runs.
@@ -17,7 +17,6 @@ alone (`rank_by` "nvfp4" or "nf4", no calibration batch), `pact finetune` instea
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import logging
 from pathlib import Path
@@ -31,13 +30,12 @@ from peft_ext import PactConfig
 from peft_ext.blocks import decoder_linears
 from peft_ext.ranking import ERROR_FORMATS, choose_protected, error_format, reconstruction_error
 
-from .. import __version__
 from ..cache import cache_dir
 from ..dataflow import FrozenLinear
 from ..files import write_text_atomic
 from ..nvfp4 import BLOCK_SIZE
 from ..quantizer import PactQuantizationConfig
-from .packed_cache import load_packed
+from .packed_cache import checkpoint_key, load_packed
 
 logger = logging.getLogger(__name__)
 RANKING_FORMAT = 1  # raise when how an error is computed changes
@@ -90,7 +88,9 @@ def protected_from_checkpoint(config: PactConfig, path: str, dtype: torch.dtype)
     # a linear NVFP4 cannot hold stays a plain LoRA on its full-precision weight in peft: not ranked
     ranked = [name for name, layer in linears.items() if not layer.in_features % BLOCK_SIZE]
     files = _checkpoint_files(Path(path))
-    ranking = _cached_ranking(path, files, ranked, dtype, fmt)
+    cached = cache_dir("ranking", checkpoint_key(Path(path), sorted(set(files.values())), ranked, str(dtype), fmt,
+                                                 RANKING_FORMAT) + ".json")  # fmt: skip
+    ranking = _cached_ranking(cached, ranked)
     if ranking is None:
         ranking = []
         for name in ranked:
@@ -98,20 +98,12 @@ def protected_from_checkpoint(config: PactConfig, path: str, dtype: torch.dtype)
                 weight = reader.get_tensor(f"{name}.weight").to(dtype)
             ranking.append((name, reconstruction_error(weight, fmt)))
             del weight
-        _cache_ranking(path, files, ranked, dtype, fmt, ranking)
+        _cache_ranking(cached, ranking)
     return config, choose_protected(ranking, config.protect_fraction)
 
 
-def _ranking_file(path: str, files: dict[str, Path], names: list[str], dtype: torch.dtype, fmt: str) -> Path:
-    """Where the errors of `names` in `path`'s checkpoint, computed in `dtype` for `fmt`, are cached: keyed by the
-    checkpoint files (name, size, modification time), the names, dtype, format and this code's version."""
-    stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(set(files.values()))]
-    key = json.dumps([str(Path(path).resolve()), stats, names, str(dtype), fmt, RANKING_FORMAT, __version__])
-    return cache_dir("ranking", f"{Path(path).name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json")
-
-
-def _cached_ranking(path, files, names, dtype, fmt) -> list[tuple[str, float]] | None:
-    file = _ranking_file(path, files, names, dtype, fmt)
+def _cached_ranking(file: Path, names: list[str]) -> list[tuple[str, float]] | None:
+    """The errors cached in `file` for `names`, in order; None where there are none (or damaged ones)."""
     try:
         ranking = [(str(name), float(error)) for name, error in json.loads(file.read_text())]
     except FileNotFoundError:
@@ -122,8 +114,7 @@ def _cached_ranking(path, files, names, dtype, fmt) -> list[tuple[str, float]] |
     return ranking if [name for name, _ in ranking] == names else None
 
 
-def _cache_ranking(path, files, names, dtype, fmt, ranking: list[tuple[str, float]]) -> None:
-    file = _ranking_file(path, files, names, dtype, fmt)
+def _cache_ranking(file: Path, ranking: list[tuple[str, float]]) -> None:
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(file, json.dumps(ranking))  # floats as repr: read back bit for bit
