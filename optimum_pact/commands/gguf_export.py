@@ -47,13 +47,16 @@ from .nvfp4_merge import SIZE_BUDGET, export_nvfp4_merged, save_merged, save_nvf
 logger = logging.getLogger(__name__)
 
 _TYPE = gguf.GGMLQuantizationType
-# --embeddings: the GGML type of (the output head, a separate token embedding, the linears kept 16-bit)
-EMBEDDINGS = {"auto": (_TYPE.Q8_0, _TYPE.Q4_1, _TYPE.Q5_1), "f16": (_TYPE.F16,) * 3, "q8_0": (_TYPE.Q8_0,) * 3,
-              "f32": (_TYPE.F32,) * 3}  # fmt: skip
+# the 16-bit matrices a GGUF types by role: llama.cpp's name -> role (every other one: a linear kept 16-bit)
+ROLES = {"output.weight": "output", "token_embd.weight": "token_embd"}
+# --embeddings: the GGML type of each role
+EMBEDDINGS = {"auto": {"output": _TYPE.Q8_0, "token_embd": _TYPE.Q4_1, "linear": _TYPE.Q5_1},
+              "f16": dict.fromkeys(("output", "token_embd", "linear"), _TYPE.F16),
+              "q8_0": dict.fromkeys(("output", "token_embd", "linear"), _TYPE.Q8_0),
+              "f32": dict.fromkeys(("output", "token_embd", "linear"), _TYPE.F32)}  # fmt: skip
 # the tensors outside the blocks, HF name -> llama.cpp's
 OUTSIDE = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}  # fmt: skip
-_ROLES = ("output.weight", "token_embd.weight")  # the tensors outside the blocks with a type of their own
 NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
 # the llama.cpp architecture each is written as. This llama.cpp's qwen2 graph ignores the NVFP4 per-tensor scales
 # (`<name>.scale`), its llama graph applies them; a Qwen2 is a Llama with q/k/v biases and half-rotated heads, so it
@@ -182,8 +185,7 @@ def write_gguf(folder: str | Path, output: str | Path, embeddings: str = "auto")
     writer = gguf.GGUFWriter(None, architecture)  # gathers all in memory; the file comes at write_*
     _add_hyperparameters(writer, config, output.stem)
     _add_tokenizer(writer, folder, config.vocab_size)
-    size = _add_tensors(writer, folder, config, architecture, dict(zip(("output", "token_embd", "linear"),
-                                                                      EMBEDDINGS[embeddings])))  # fmt: skip
+    size = _add_tensors(writer, folder, config, architecture, EMBEDDINGS[embeddings])
     return write_gguf_file(writer, output, size)
 
 
@@ -329,7 +331,7 @@ def _add_tensors(writer: gguf.GGUFWriter, folder: Path, config, architecture: st
             tensor = llama_rows(tensor, rows)
         data = tensor.float().numpy()
         tied = target == "token_embd.weight" and getattr(config, "tie_word_embeddings", False)
-        kind = types["output" if tied else target.removesuffix(".weight") if target in _ROLES else "linear"]
+        kind = types["output" if tied else ROLES.get(target, "linear")]  # a tied embedding is the output head
         if tensor.dim() == 1:  # norms and biases
             writer.add_tensor(target, data)
         elif kind not in (_TYPE.F16, _TYPE.F32) and data.shape[-1] % gguf.GGML_QUANT_SIZES[kind][0] == 0:
