@@ -456,8 +456,10 @@ def main() -> None:
     named = named_model(args.model) if args.model else None
     if named is not None and named.gguf.endswith("q4_k_m.gguf"):  # the file the model came from: issue 51's size
         results["source_gguf_bytes"] = named.size
-    if any(arm.startswith("pact_finetune") for arm in arms):  # what the GGUF's size is measured against
-        results["all_nvfp4_gguf_bytes"] = previous.get("all_nvfp4_gguf_bytes") or all_nvfp4_gguf_bytes(args.model)
+    if previous.get("all_nvfp4_gguf_bytes"):  # kept when this sitting runs only other arms
+        results["all_nvfp4_gguf_bytes"] = previous["all_nvfp4_gguf_bytes"]
+    elif any(arm.startswith("pact_finetune") for arm in arms):  # what the GGUF's size is measured against
+        results["all_nvfp4_gguf_bytes"] = all_nvfp4_gguf_bytes(args.model)
     done = {(r["arm"], r["seed"]) for r in results["runs"]}
     start = time.perf_counter()
     for i, seed in enumerate(args.seeds):
