@@ -34,6 +34,11 @@ pinned = None
 if sys.argv[1] == "pin":
     from optimum_pact import pin_mmap_threshold
     pinned = pin_mmap_threshold()
+elif sys.argv[1] == "after_training":  # what `pact finetune` does once training is done
+    from optimum_pact.commands.finetune import after_training
+    from optimum_pact.memory import pinned_mmap_threshold
+    after_training()
+    pinned = pinned_mmap_threshold()
 elif sys.argv[1].startswith("trainer"):
     from trainer_callbacks import PactTrainer, PactTrainingArguments
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -75,6 +80,13 @@ def test_the_environment_setting_wins(tmp_path):
 def test_pact_trainer_pins_the_threshold_only_when_asked(tmp_path):
     assert _probe("trainer", tmp_path)["mapped_growth"] == 0  # glibc's own policy: page faults only where it faults
     assert _probe("trainer-pinned", tmp_path)["mapped_growth"] >= 8 << 20
+
+
+def test_the_main_job_pins_the_threshold_for_what_follows_training(tmp_path):
+    probe = _probe("after_training", tmp_path)  # the final scoring's tensors go back when freed
+    assert probe["pinned"] == 4 << 20 and probe["mapped_growth"] >= 8 << 20
+    probe = _probe("after_training", tmp_path, {"MALLOC_MMAP_THRESHOLD_": str(32 << 20)})
+    assert probe["pinned"] == 32 << 20 and probe["mapped_growth"] == 0  # the user's setting stands
 
 
 # 96 MiB of 1 MiB tensors from the heap (after a 16 MiB free raised the threshold), written, freed, with a live

@@ -11,6 +11,7 @@ from .allocator import (
     HeapTrimmer,
     check_mmap_threshold,
     pin_mmap_threshold,
+    pinned_mmap_threshold,
     resident_bytes,
     trim_heap,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "map_frozen_weights",
     "module_tensors",
     "pin_mmap_threshold",
+    "pinned_mmap_threshold",
     "trim_heap",
     "HeapTrimmer",
     "resident_bytes",

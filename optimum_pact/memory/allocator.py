@@ -33,6 +33,7 @@ _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 M_MMAP_THRESHOLD = -3  # malloc.h
 DEFAULT_MMAP_THRESHOLD = 4 * 2**20
 MAX_MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's ceiling on 64-bit (HEAP_MAX_SIZE / 2); mallopt refuses more
+_pinned: int | None = None  # what pin_mmap_threshold set in this process
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -65,8 +66,18 @@ def pin_mmap_threshold(nbytes: int = DEFAULT_MMAP_THRESHOLD) -> bool:
         return False
     if libc.mallopt(M_MMAP_THRESHOLD, nbytes) != 1:
         raise RuntimeError(f"glibc's mallopt(M_MMAP_THRESHOLD, {nbytes}) failed")
+    global _pinned
+    _pinned = nbytes
     logger.info("optimum_pact: glibc mmap threshold pinned at %d bytes", nbytes)
     return True
+
+
+def pinned_mmap_threshold() -> int | None:
+    """The mmap threshold pinned in this process (by `pin_mmap_threshold`, or MALLOC_MMAP_THRESHOLD_ in the
+    environment, whose value is returned as given), None while glibc's own raising policy runs."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return int(os.environ["MALLOC_MMAP_THRESHOLD_"] or 0)
+    return _pinned
 
 
 def trim_heap() -> bool:
