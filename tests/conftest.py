@@ -52,6 +52,33 @@ def pytest_runtest_makereport(item, call):
             report.longrepr = f"skipped in CI, where it must run ({reason}): install what it needs in .ci/run"
 
 
+# What PACT builds from a model and keeps in its cache: the tests' throwaway models must not fill it
+BUILT = ("packed", "ranking")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cache_apart(tmp_path_factory):
+    """The session's PACT cache: links to the person's (downloaded models, compiled kernels) with its own packed
+    bases and rankings. Written into the real cache, the tests' small models evicted a person's packed 1.5B base
+    (packed/ keeps the last KEEP folders; a rebuild is minutes) and piled up rankings. Where the real cache does not
+    exist yet (a clean CI machine) or $PACT_CACHE is set, it is used as it is."""
+    from optimum_pact.cache import cache_dir
+
+    real = cache_dir()
+    if "PACT_CACHE" in os.environ or not real.is_dir():
+        yield real
+        return
+    root = tmp_path_factory.mktemp("pact_cache")
+    for entry in real.iterdir():
+        if entry.name not in BUILT:
+            (root / entry.name).symlink_to(entry)
+    os.environ["PACT_CACHE"] = str(root)  # this process and the commands it starts
+    try:
+        yield root
+    finally:
+        del os.environ["PACT_CACHE"]
+
+
 @pytest.fixture(scope="session")
 def small_model(tmp_path_factory):
     """SmolLM2's tokenizer on a 2-block model of random weights: the main job's code path, in seconds."""
