@@ -26,6 +26,7 @@ from torch import nn
 
 from ..dataflow import FrozenLinear
 from ..nvfp4 import NVFP4Tensor
+from ..pages import release_clean_pages
 
 MIN_BYTES = 2**20  # smaller tensors (norms, biases) cost a few pages: not worth a mapping
 
@@ -77,6 +78,8 @@ def map_frozen_weights(model: nn.Module, folder: str | os.PathLike | None = None
             layer.load_nvfp4(NVFP4Tensor(layer.weight, layer.weight_scale, layer.weight_scale_2))
         else:
             layer.release_handle()
+    for _, original in tensors.values():  # a base read memory-mapped (the packed cache): its touched pages would
+        release_clean_pages(original)  # stay resident beside the copy's, two copies of the weights counted
     mapped = [loaded[tensors[key][0]] for key in owners]
     return {
         "mapped": mapped,
