@@ -304,3 +304,19 @@ def test_tied_embeddings_and_device_map_keep_lm_head_tied_and_unquantized(tmp_pa
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "pact", device_map="cpu")
     assert reloaded.lm_head.weight is reloaded.get_input_embeddings().weight
     torch.testing.assert_close(logits(reloaded), logits(model), atol=0, rtol=0)
+
+
+def test_the_output_head_gets_its_input_with_plain_strides(checkpoint):
+    """Generation's prompt logits come from `lm_head(hidden[:, -1:, :])`, a slice that keeps the prompt's batch
+    stride, which torch 2.13's CPU linear takes down a slow path (optimum_pact/head.py). A PACT-loaded model hands
+    its head the same values with plain strides; the logits are unchanged."""
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=PactQuantizationConfig())
+    seen = []
+    model.lm_head.register_forward_pre_hook(lambda module, args: seen.append(args[0].stride()))
+    ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        last = model(ids, logits_to_keep=1).logits
+        full = model(ids).logits
+    hidden = model.config.hidden_size
+    assert seen[0] == (hidden, hidden, 1)  # not (7 * hidden, hidden, 1)
+    torch.testing.assert_close(last, full[:, -1:])
