@@ -23,9 +23,8 @@ def plain_head_input(model: nn.Module) -> nn.Module:
     """Give `model`'s output head (`get_output_embeddings()`) its input with plain strides from now on; returns the
     model. Values and outputs are unchanged."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if isinstance(head, nn.Linear) and not getattr(head, "_pact_plain_input", False):
+    if isinstance(head, nn.Linear) and _plain_strides not in head._forward_pre_hooks.values():
         head.register_forward_pre_hook(_plain_strides)
-        head._pact_plain_input = True
     return model
 
 
