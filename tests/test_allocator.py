@@ -87,6 +87,8 @@ def test_the_main_job_pins_the_threshold_for_what_follows_training(tmp_path):
     assert probe["pinned"] == 4 << 20 and probe["mapped_growth"] >= 8 << 20
     probe = _probe("after_training", tmp_path, {"MALLOC_MMAP_THRESHOLD_": str(32 << 20)})
     assert probe["pinned"] == 32 << 20 and probe["mapped_growth"] == 0  # the user's setting stands
+    probe = _probe("after_training", tmp_path, {"MALLOC_MMAP_THRESHOLD_": "4M"})  # not a number: no crash after
+    assert probe["pinned"] is None  # training (the adapter is not saved yet), and the environment is left to glibc
 
 
 # 96 MiB of 1 MiB tensors from the heap (after a 16 MiB free raised the threshold), written, freed, with a live

@@ -74,9 +74,14 @@ def pin_mmap_threshold(nbytes: int = DEFAULT_MMAP_THRESHOLD) -> bool:
 
 def pinned_mmap_threshold() -> int | None:
     """The mmap threshold pinned in this process (by `pin_mmap_threshold`, or MALLOC_MMAP_THRESHOLD_ in the
-    environment, whose value is returned as given), None while glibc's own raising policy runs."""
+    environment, whose value is returned as given), None while glibc's own raising policy runs, and None for an
+    environment value that is not a whole number (what glibc makes of it is glibc's; `pin_mmap_threshold` leaves it
+    in place either way). Never raises: `pact finetune` asks after training, before the adapter is saved."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return int(os.environ["MALLOC_MMAP_THRESHOLD_"] or 0)
+        try:
+            return int(os.environ["MALLOC_MMAP_THRESHOLD_"] or 0)
+        except ValueError:
+            return None
     return _pinned
 
 
