@@ -56,14 +56,17 @@ step runs under FakeTensorMode with the same tracker), which gives (a) without a
 measures the baseline both ways at the given size (the numbers must agree).
 
 Architectures: Llama-3.2-1B, Qwen2.5-0.5B and Qwen2.5-3B from their published configs with random weights (right
-for memory, not for quality; the 3B is quantized while it is built, `build_quantized`), SmolLM2-135M-Instruct with
-its real weights. Prints one JSON line per configuration with every
+for memory, not for quality; the 3B is quantized while it is built, `build_quantized`), SmolLM2-135M-Instruct and
+Qwen2.5-Coder-1.5B-Instruct with their real weights (the latter's fetched and converted as `pact finetune --model
+qwen2.5-coder-1.5b` does: from a 4-5-bit GGUF, dequantized). Prints one JSON line per configuration with every
 arm's ratio to the baseline.
 
     python benchmarks/bench_memory.py --quick                       # tiny model, seconds; validates the script
     python benchmarks/bench_memory.py --arch qwen2.5-0.5b --seq 3072 --arms baseline,mask,exact,mask_unstreamed
     python benchmarks/bench_memory.py --arch qwen2.5-3b --seq 4096 --fake-arms baseline --arms baseline,mask,exact
     python benchmarks/bench_memory.py --arch qwen2.5-0.5b --seq 3072
+    python benchmarks/bench_memory.py --arch qwen2.5-coder-1.5b --seq 4096 --fake-arms baseline \
+        --arms baseline,checkpoint,subset,mask,exact
     python benchmarks/bench_memory.py --arch qwen2.5-0.5b --seq 4096 --fake-arms baseline \
         --arms baseline,checkpoint,subset,mask
     python benchmarks/bench_memory.py                               # every configuration of issue 4 (needs ~20 GiB)
@@ -79,6 +82,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from common import cpu_model, reset_peak_rss, status_bytes, trim_memory  # the CPU (every timing says it), /proc
 from memory_quality import QUALITY_ARMS, quality_guard
@@ -118,8 +122,11 @@ ARCHS = {
         model_type="llama", hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
         num_key_value_heads=4, vocab_size=8192, max_position_embeddings=4096, tie_word_embeddings=True,
     ),
-    "smollm2-135m": None,  # real weights: optimum_pact.commands.default_model.ensure_default_model()
+    "smollm2-135m": None,  # real weights: the default model, `REAL_WEIGHTS`
+    "qwen2.5-coder-1.5b": None,  # real weights: the named model (`pact finetune --model qwen2.5-coder-1.5b`)
 }  # fmt: skip
+# The architectures with real weights: the `--model` value each is resolved from (None: the default model)
+REAL_WEIGHTS = {"smollm2-135m": None, "qwen2.5-coder-1.5b": "qwen2.5-coder-1.5b"}
 # The configurations issue 4 asks for: (arch, seq, arms, arms measured on fake tensors).
 CONFIGS = [
     ("qwen2.5-0.5b", 3072, ARMS, ()),
@@ -191,9 +198,9 @@ def build(arch: str, arm: str, r: int, tile_size: int | None, real_weights: bool
     if arch in QUANTIZED_WHILE_BUILT and arm != "baseline" and real_weights:
         return build_quantized(arch, r, tile_size)
     if ARCHS[arch] is None:
-        from optimum_pact.commands.default_model import ensure_default_model
+        from optimum_pact.commands.model_folder import resolve_model
 
-        path = ensure_default_model()
+        path = resolve_model(REAL_WEIGHTS[arch])
         if real_weights:
             model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
             for t in [*model.parameters(), *model.buffers()]:  # out of the safetensors mapping, which otherwise
@@ -450,6 +457,7 @@ def main() -> None:
         "--resident-only", action="store_true", help="one (timed) step per real arm: the resident figure only, no "
         "tracked step for the live peak (for sizes where a step takes long)",
     )  # fmt: skip
+    parser.add_argument("--output", help="a folder: also write the configurations' lines there (results.json)")
     parser.add_argument("--quality", action="store_true", help="the quality guard: SmolLM2 fine-tune, both stacks")
     parser.add_argument("--quality-steps", type=int, default=60)
     parser.add_argument("--quality-seeds", type=int, default=3, help="seeds (data order, LoRA init) averaged")
@@ -487,10 +495,17 @@ def main() -> None:
         print(json.dumps(validate_fake(args.arch, args.seq, args)))
         return
     configs = [(args.arch, args.seq, arms, fake_arms)] if args.arch else CONFIGS
+    lines = []
     for arch, seq, config_arms, fakes in configs:
         if seq is None:
             parser.error("--arch needs --seq")
-        print(json.dumps(measure(arch, seq, config_arms, fakes, args)), flush=True)
+        lines.append(measure(arch, seq, config_arms, fakes, args))
+        print(json.dumps(lines[-1]), flush=True)
+        if args.output:  # after every configuration: a long run keeps what it measured
+            out = Path(args.output) / "results.json"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            command = "python benchmarks/bench_memory.py " + " ".join(sys.argv[1:])
+            out.write_text(json.dumps({"bench": "memory", "command": command, "configurations": lines}, indent=1))
 
 
 if __name__ == "__main__":

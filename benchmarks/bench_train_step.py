@@ -11,6 +11,9 @@ Arms (`--dtype` is the compute dtype of every arm but lora_fp32; bf16 by default
   pact_pinned     pact with glibc's mmap threshold pinned at 4 MiB (pact_mmap_threshold)
   pact_trimmed    pact with PactTrainer's default pact_trim_heap: glibc's free heap handed back after the first step
                   and whenever the resident set grows past it (optimum_pact.HeapTrimmer)
+  pact_main       what `pact finetune` trains with: the base read as the main job reads it (the packed cache, AQLoRA's
+                  quarter kept 16-bit, ranked by NVFP4 error), the 'logits' memory saver, pact_trim_heap
+  pact_exact      pact_main with the 'exact' savers (block checkpointing, offloaded block inputs, mapped weights)
 Every arm: r=16 on all linears, AdamW on the adapter, forward + backward + optimizer step, one warm-up step (it also
 pays the compile arms' compile time) then `--steps` timed ones. Per arm: median step time and the process's peak RSS
 (VmHWM, mapped pages included). Sizes: `smollm2` (SmolLM2-135M, real weights, batch 4 x 512) and `qwen2.5-0.5b`
@@ -35,8 +38,9 @@ from common import cpu_model, model_folder  # lscpu's model and AMX; SmolLM2 or 
 
 ARMS = (
     "lora", "lora_dup", "lora_compile", "lora_pinned", "qlora_nf4", "lora_fp32", "pact", "pact_fused",
-    "pact_pinned", "pact_trimmed",
+    "pact_pinned", "pact_trimmed", "pact_main", "pact_exact",
 )  # fmt: skip
+SAVERS = {"pact_main": "logits", "pact_exact": "exact"}  # the arms built as `pact finetune` builds its model
 SIZES = {"smollm2": 4, "qwen2.5-0.5b": 2}  # model_folder key: default batch
 RATIOS = {  # name: (arm, over arm)
     "pact_vs_lora": ("pact", "lora"),
@@ -48,6 +52,8 @@ RATIOS = {  # name: (arm, over arm)
     "pact_trimmed_vs_lora": ("pact_trimmed", "lora"),
     "lora_pinned_vs_lora": ("lora_pinned", "lora"),
     "pact_vs_qlora": ("pact", "qlora_nf4"),
+    "pact_main_vs_lora": ("pact_main", "lora"),
+    "pact_exact_vs_lora": ("pact_exact", "lora"),
     "pact_vs_lora_fp32": ("pact", "lora_fp32"),
     "lora_compile_vs_lora": ("lora_compile", "lora"),
     "noise_dup_vs_lora": ("lora_dup", "lora"),
@@ -75,6 +81,12 @@ def build(arm: str, model_path: str, r: int, dtype_name: str):
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, quantization_config=quant)
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         return get_peft_model(model, LoraConfig(**lora))
+    if arm in SAVERS:
+        from optimum_pact.commands.streamed_base import load_streamed_base
+
+        config = PactConfig(**lora, protect_fraction=0.25, rank_by="nvfp4")  # the main job's (MAIN_JOB_DEFAULTS)
+        base, config = load_streamed_base(config, model_path, None, getattr(torch, dtype_name))
+        return get_peft_model(base, config)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     model = get_peft_model(model, (PactConfig if arm.startswith("pact") else LoraConfig)(**lora))
     if arm in ("lora_compile", "pact_fused"):
@@ -96,7 +108,11 @@ def run_arm(arm: str, model_path: str, steps: int, batch: int, seq: int, r: int,
     times = []
     from optimum_pact.memory import HeapTrimmer
 
-    trim = HeapTrimmer() if arm == "pact_trimmed" else None  # as PactTrainer's pact_trim_heap does
+    trim = HeapTrimmer() if arm in ("pact_trimmed", *SAVERS) else None  # as PactTrainer's pact_trim_heap does
+    if arm in SAVERS:
+        from optimum_pact.memory import enable_memory_savers
+
+        enable_memory_savers(model, SAVERS[arm])  # closed with the process
     for i in range(steps + 1):  # the first step warms up (and compiles)
         start = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
@@ -126,7 +142,7 @@ def main() -> None:
     parser.add_argument("--output", help="a folder: also write the results there (results.json)")
     args = parser.parse_args()
     args.batch = args.batch or SIZES[args.size]
-    args.model = args.model or model_folder(args.size, quick=False)
+    args.model = args.model or model_folder(args.size, quick=False)  # --size's when not given
     if args.arm:
         if args.threads:
             import torch
@@ -138,7 +154,7 @@ def main() -> None:
     arms = [a for a in args.arms.split(",") if a]
     if unknown := set(arms) - set(ARMS):
         parser.error(f"--arms: unknown {sorted(unknown)}; choose from {', '.join(ARMS)}")
-    sessions = []
+    sessions, failed = [], {}
     for s in range(args.sessions):
         order = arms[s % len(arms) :] + arms[: s % len(arms)]  # rotated: no arm always runs first or last
         session = {}
@@ -146,12 +162,18 @@ def main() -> None:
             cmd = [sys.executable, __file__, "--arm", arm, "--model", args.model, "--steps", str(args.steps)]
             cmd += ["--batch", str(args.batch), "--seq", str(args.seq), "--r", str(args.r), "--dtype", args.dtype]
             cmd += ["--threads", str(args.threads)] if args.threads else []
-            out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-            session[arm] = json.loads(out.strip().splitlines()[-1])
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:  # e.g. -9: the kernel's OOM killer (see dmesg); the other arms still run
+                why = f"exit status {done.returncode}" + (" (SIGKILL: out of memory?)" * (done.returncode == -9))
+                failed.setdefault(arm, []).append(why)
+                print(f"session {s}: {arm:>13} failed: {why}\n{done.stderr[-2000:]}", file=sys.stderr, flush=True)
+                continue
+            session[arm] = json.loads(done.stdout.strip().splitlines()[-1])
             res = session[arm]
             print(f"session {s}: {arm:>13} {res['step_s']:.2f} s/step, peak RSS {res['peak_rss_gib']:.2f} GiB",
                   file=sys.stderr, flush=True)  # fmt: skip
         sessions.append(session)
+    arms = [a for a in arms if all(a in sess for sess in sessions)]  # an arm that failed in a session is left out
     step = {a: statistics.median(sess[a]["step_s"] for sess in sessions) for a in arms}
     rss = {a: statistics.median(sess[a]["peak_rss_gib"] for sess in sessions) for a in arms}
     ratios = {}
@@ -161,13 +183,14 @@ def main() -> None:
             ratios[name] = {"median": statistics.median(per), "min": min(per), "max": max(per), "sessions": per}
     noise = ratios.get("noise_dup_vs_lora", {}).get("median")
     rss_ratios = {f"{a}_rss_vs_lora": rss[a] / rss["lora"] for a in arms if a != "lora" and "lora" in arms}
-    config = {"size": args.size, "batch": args.batch, "seq": args.seq, "r": args.r, "dtype": args.dtype,
+    config = {"size": args.size if args.model == model_folder(args.size, quick=False) else None, "model": args.model,
+              "batch": args.batch, "seq": args.seq, "r": args.r, "dtype": args.dtype,
               "steps": args.steps, "sessions": args.sessions, "cpu": cpu_model(),
               "date": time.strftime("%Y-%m-%d"), "arms": arms}  # fmt: skip
     for name, ratio in ratios.items():
         beside = f"; noise {noise:.3f}" if noise else ""
         print(f"{name:>28}: {ratio['median']:.3f} (sessions {ratio['min']:.3f}-{ratio['max']:.3f}){beside}")
-    line = {"bench": "train_step", **config, "step_s": step, "peak_rss_gib": rss, "ratios": ratios,
+    line = {"bench": "train_step", **config, "step_s": step, "peak_rss_gib": rss, "ratios": ratios, "failed": failed,
             "noise_dup_vs_lora": noise, "rss_ratios": rss_ratios, "per_session": sessions}  # fmt: skip
     if args.output:
         out = Path(args.output) / "results.json"

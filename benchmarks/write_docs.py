@@ -16,28 +16,18 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_main_job  # noqa: E402  (its --table prints markdown_table)
 import personalization_report as report  # noqa: E402  (eval_personalization.py --table prints its markdown_table)
 import sweep_main_job  # noqa: E402  (its --table prints markdown_table)
+from docs_header import Section, header  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 OUTPUT = ROOT / "docs" / "benchmarks.md"
 PLOTS = (".png", ".svg")
-
-
-@dataclass(frozen=True)
-class Section:
-    folder: str  # under benchmarks/results, e.g. "personalization"
-    title: str
-    command: str  # the command that wrote the results file
-    render: Callable[[dict], str]  # results -> markdown body
-    note: str = ""  # how the command was run, where one line of flags does not say it all
-    date_if_unrecorded: str | None = None  # for results files written before their script recorded a date
 
 
 SECTIONS: dict[str, Section] = {}
@@ -51,68 +41,6 @@ def section(folder: str, title: str, command: str, note: str = "", date_if_unrec
         return render
 
     return register
-
-
-# ---- what a results file recorded about where and when it ran ----
-
-
-def cpu_words(cpu: str) -> str:
-    """A recorded CPU in one style: "AMD EPYC (no AMX, AVX-512, AVX512-BF16)" stays; the older
-    "AMD EPYC; amx=False; avx512_bf16=True" becomes "AMD EPYC (no AMX, AVX512-BF16)"."""
-    name, *flags = [part.strip() for part in cpu.split(";")]
-    if not flags:
-        return name
-    values = dict(flag.split("=", 1) for flag in flags)
-    words = ["AMX" if values.get("amx") == "True" else "no AMX"]
-    words.append("AVX512-BF16" if values.get("avx512_bf16") == "True" else "no AVX512-BF16")
-    return f"{name} ({', '.join(words)})"
-
-
-def machine_words(machine: str) -> str:
-    """ "x86_64, 2 CPU cores, Linux; AMD EPYC (no AMX, ...)" -> "AMD EPYC (no AMX, ...), 2 CPU cores, x86_64 Linux";
-    a bare CPU (aqlora_accuracy.py records only that) stays as `cpu_words` gives it."""
-    platform, _, cpu = machine.partition("; ")
-    parts = [part.strip() for part in platform.split(",")]
-    if not cpu or len(parts) != 3:
-        return cpu_words(machine)
-    arch, cores, system = parts
-    return f"{cpu_words(cpu)}, {cores}, {arch} {system}"
-
-
-def where_and_when(results: dict, spec: Section) -> list[tuple[str, list[str]]]:
-    """[(machine, its dates)] in the order the machines first ran: a run resumed over sittings records each sitting
-    (`pieces`); others record one machine (or CPU) and date."""
-    pieces = results.get("pieces") or [results]
-    found: dict[str, list[str]] = {}
-    for piece in pieces:
-        machine = piece.get("machine") or piece.get("cpu")
-        date = piece.get("date") or spec.date_if_unrecorded
-        if machine is None or date is None:
-            raise SystemExit(
-                f"benchmarks/results/{spec.folder}/results.json records no "
-                f"{'machine' if machine is None else 'date'}: every figure in docs/ names both (pass "
-                "date_if_unrecorded= to its @section for a file written before its script recorded the date)."
-            )
-        dates = found.setdefault(machine_words(machine), [])
-        if date not in dates:
-            dates.append(date)
-    return [(machine, sorted(dates)) for machine, dates in found.items()]
-
-
-def header(spec: Section, results: dict) -> str:
-    path = f"benchmarks/results/{spec.folder}/results.json"
-    ran = where_and_when(results, spec)
-    recorded = results.get("date") or results.get("pieces")
-    unrecorded = "" if recorded else " (the day it was committed: the results file records no date)"
-    note = f" ({spec.note})" if spec.note else ""
-    lines = [f"## {spec.title}", "", f"- results: [`{path}`](../{path})", f"- written by: `{spec.command}`{note}"]
-    if len(ran) == 1:
-        machine, dates = ran[0]
-        lines += [f"- machine: {machine}", f"- date: {', '.join(dates)}{unrecorded}"]
-    else:
-        lines.append("- machines and dates (a run resumed over sittings):")
-        lines += [f"  - {', '.join(dates)}: {machine}" for machine, dates in ran]
-    return "\n".join(lines)
 
 
 def plots(folder: Path) -> str:
@@ -362,6 +290,34 @@ def train_step(results: dict) -> str:
     for name, ratio in results["ratios"].items():
         sessions = ", ".join(f"{r:.3f}" for r in ratio["sessions"])
         lines.append(f"| {name} | {ratio['median']:.3f} | {sessions} |")
+    return "\n".join(lines)
+
+
+@section(
+    "train_step_qwen1.5b_2k",
+    "One training step at 2k tokens on the real 1.5B: peak memory",
+    "python benchmarks/bench_train_step.py --model ~/.cache/optimum_pact/Qwen2.5-Coder-1.5B-Instruct "
+    "--arms lora,pact_main,pact_exact,qlora_nf4 --sessions 1 --steps 1 --seq 2048 --batch 1 "
+    "--output benchmarks/results/train_step_qwen1.5b_2k",
+    note="Qwen2.5-Coder-1.5B-Instruct as `pact finetune --model qwen2.5-coder-1.5b` fetches it: dequantized from "
+    "its Q4_K_M GGUF, the same weights for every arm; one session (a step takes minutes), so the step times are "
+    "one measurement each, and stock peft's ran beside another benchmark (an earlier attempt alone: 97.4 s, 17.19 "
+    "GiB); qlora_nf4 was killed by the kernel's out-of-memory killer at 23.2 GiB anonymous RSS (dmesg), twice",
+)
+def train_step_large(results: dict) -> str:
+    lines = [
+        f"{Path(results['model']).name}, batch {results['batch']} x {results['seq']} tokens (every token labelled), "
+        f"r={results['r']} on all linears, {results['dtype']}, {results['steps']} timed step after a warm-up step, "
+        "each arm a fresh process. Peak RSS is the process's VmHWM (mapped pages included), model loading included.",
+        "",
+        "| arm | step (s) | peak RSS (GiB) | RSS / lora |",
+        "|---|---|---|---|",
+    ]
+    for arm in results["arms"]:
+        rss, ratio = results["peak_rss_gib"][arm], results["peak_rss_gib"][arm] / results["peak_rss_gib"]["lora"]
+        lines.append(f"| `{arm}` | {results['step_s'][arm]:.1f} | {rss:.2f} | {ratio:.2f} |")
+    for arm, why in results.get("failed", {}).items():
+        lines.append(f"| `{arm}` | did not finish: {'; '.join(why)} | - | - |")
     return "\n".join(lines)
 
 

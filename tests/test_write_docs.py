@@ -12,6 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import docs_header  # noqa: E402
 import write_docs  # noqa: E402
 
 
@@ -50,7 +51,7 @@ def test_a_results_file_without_a_section_is_an_error_naming_the_fix(tmp_path, m
 
 
 def test_recorded_machines_read_the_same_in_both_styles():
-    assert write_docs.cpu_words("AMD EPYC; amx=False; avx512_bf16=True") == "AMD EPYC (no AMX, AVX512-BF16)"
-    assert write_docs.cpu_words("Xeon (AMX, AVX-512, AVX512-BF16)") == "Xeon (AMX, AVX-512, AVX512-BF16)"
+    assert docs_header.cpu_words("AMD EPYC; amx=False; avx512_bf16=True") == "AMD EPYC (no AMX, AVX512-BF16)"
+    assert docs_header.cpu_words("Xeon (AMX, AVX-512, AVX512-BF16)") == "Xeon (AMX, AVX-512, AVX512-BF16)"
     machine = "x86_64, 2 CPU cores, Linux; AMD EPYC (no AMX, AVX2)"
-    assert write_docs.machine_words(machine) == "AMD EPYC (no AMX, AVX2), 2 CPU cores, x86_64 Linux"
+    assert docs_header.machine_words(machine) == "AMD EPYC (no AMX, AVX2), 2 CPU cores, x86_64 Linux"
