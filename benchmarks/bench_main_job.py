@@ -8,6 +8,11 @@ Arms, each a fresh process (so its peak RSS is its own), in an order rotated per
   pact_finetune_padded / pact_finetune_packed  the same with --pact_padding_free false / true
   pact_finetune_fused  the same with --pact_fuse_cpu_ops true (its compile time inside the training time)
   peft_lora_dup  peft_lora again: its ratio to peft_lora is the noise floor
+  peft_lora_nvfp4       peft_lora on the weights PACT's NVFP4 products use (each targeted linear's NVFP4
+                        reconstruction, as FrozenLinear quantizes it): the drop-in's weights, so what the format costs
+                        stock peft itself (pact_dropin computes the same gradients: tests/test_trains_as_stock.py)
+  peft_lora_nvfp4_kept  the same with the main job's AQLoRA share (pact_protect_fraction, ranked by NVFP4 error) left
+                        as it was: pact_finetune's weights
 Every arm trains on the main job's rows (`tokenize_examples` on the built-in notes' train items) with the main job's
 defaults (`MAIN_JOB_DEFAULTS`: r, alpha, all linears, lr, batch, epochs, warmup; so the arms stay equal when they
 change) and is scored the same way (`classify` + `accuracy` on the held-out items). Per arm and seed: the wall time
@@ -45,7 +50,7 @@ from common import cpu_model, log, machine, status_bytes  # lscpu's model and AM
 
 ARMS = (
     "peft_lora", "peft_qlora", "pact_dropin", "pact_finetune", "peft_lora_dup", "pact_finetune_padded",
-    "pact_finetune_packed", "pact_finetune_fused",
+    "pact_finetune_packed", "pact_finetune_fused", "peft_lora_nvfp4", "peft_lora_nvfp4_kept",
 )  # fmt: skip
 # the pact_finetune variants: the flags each adds to `pact finetune`
 ARM_FLAGS = {
@@ -88,6 +93,25 @@ def job_settings(model_name: str | None = None) -> dict:
 # ---- one arm in this process (--arm) ----
 
 
+def rounded(model, keep_fraction: float):
+    """`model` with its decoder linears' weights replaced by their NVFP4 reconstruction (`optimum_pact.nvfp4.quantize`,
+    what a FrozenLinear built from them computes with), the `keep_fraction` with the largest NVFP4 error left as they
+    are (AQLoRA's rank_by="nvfp4" list)."""
+    import torch
+
+    from optimum_pact.nvfp4 import quantize
+    from peft_ext.blocks import decoder_linears
+    from peft_ext.ranking import choose_protected
+
+    keep = set(choose_protected(model, keep_fraction, "nvfp4")) if keep_fraction else set()
+    with torch.no_grad():
+        for name, linear in decoder_linears(model).items():
+            if name not in keep:
+                weight = linear.weight
+                weight.copy_(quantize(weight.float()).dequantize(torch.float32).to(weight.dtype))
+    return model
+
+
 def run_trainer_arm(
     arm: str, seed: int, dtype_name: str, max_steps: int | None, model_name: str | None = None
 ) -> dict:
@@ -123,6 +147,9 @@ def run_trainer_arm(
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    keep = settings["pact_protect_fraction"] if arm == "peft_lora_nvfp4_kept" else 0.0
+    if arm.startswith("peft_lora_nvfp4"):
+        model = rounded(model, keep)
     lora = {k: settings[k] for k in LORA_FIELDS if k in settings}
     torch.manual_seed(seed)  # as the main job seeds before get_peft_model
     model = get_peft_model(model, (PactConfig if arm == "pact_dropin" else LoraConfig)(**lora))
@@ -151,6 +178,7 @@ def run_trainer_arm(
         from peft import PeftModel
 
         base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+        base = rounded(base, keep) if arm.startswith("peft_lora_nvfp4") else base  # the base it was trained on
         merged = PeftModel.from_pretrained(base, tmp).merge_and_unload()
         as_used = accuracy(classify(merged, tokenizer, texts, labels), golds)
     return {"arm": arm, "seed": seed, "train_s": train_s, "accuracy": acc, "as_used_accuracy": as_used,

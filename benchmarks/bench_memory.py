@@ -66,7 +66,7 @@ arm's ratio to the baseline.
     python benchmarks/bench_memory.py --arch qwen2.5-3b --seq 4096 --fake-arms baseline --arms baseline,mask,exact
     python benchmarks/bench_memory.py --arch qwen2.5-0.5b --seq 3072
     python benchmarks/bench_memory.py --arch qwen2.5-coder-1.5b --seq 4096 --fake-arms baseline \
-        --arms baseline,checkpoint,subset,mask,exact
+        --arms baseline,exact --resident-only
     python benchmarks/bench_memory.py --arch qwen2.5-0.5b --seq 4096 --fake-arms baseline \
         --arms baseline,checkpoint,subset,mask
     python benchmarks/bench_memory.py                               # every configuration of issue 4 (needs ~20 GiB)
@@ -505,7 +505,10 @@ def main() -> None:
             out = Path(args.output) / "results.json"
             out.parent.mkdir(parents=True, exist_ok=True)
             command = "python benchmarks/bench_memory.py " + " ".join(sys.argv[1:])
-            out.write_text(json.dumps({"bench": "memory", "command": command, "configurations": lines}, indent=1))
+            where = {"cpu": cpu_model(), "date": time.strftime("%Y-%m-%d")}  # what docs/benchmarks.md names
+            out.write_text(
+                json.dumps({"bench": "memory", "command": command, **where, "configurations": lines}, indent=1)
+            )
 
 
 if __name__ == "__main__":
