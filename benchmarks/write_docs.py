@@ -110,8 +110,8 @@ def main_job_qwen(results: dict) -> str:
     "Why the drop-in loses accuracy in fp32: stock peft on the same NVFP4 weights",
     "python benchmarks/bench_main_job.py --dtype float32 --arms peft_lora,pact_dropin,peft_lora_nvfp4 --seeds 0 1 2 "
     "--output benchmarks/results/main_job_format_fp32/results.json",
-    note="accuracy only: the runs shared the machine with other benchmarks, so their times are not compared; fp32 "
-    "accuracy does not depend on the CPU's vector width (the emulated AVX2 runs above gave the same per-seed figures)",
+    note="accuracy is the question here (times in the results file, not compared); fp32 accuracy does not depend on "
+    "the CPU's vector width: the emulated AVX2 runs above gave the same per-seed figures",
 )
 def main_job_format(results: dict) -> str:
     by = {(r["arm"], r["seed"]): 100 * r["accuracy"] for r in results["runs"]}
@@ -130,6 +130,9 @@ def main_job_format(results: dict) -> str:
         both = ("pact_dropin", seed) in by and ("peft_lora_nvfp4", seed) in by
         diff = f"{by[('pact_dropin', seed)] - by[('peft_lora_nvfp4', seed)]:+.1f}" if both else "-"
         lines.append(f"| {seed} | {cells} | {diff} |")
+    if all((a, s) in by for a in arms for s in seeds):
+        means = " | ".join(f"{sum(by[(a, s)] for s in seeds) / len(seeds):.1f}" for a in arms)
+        lines.append(f"| mean | {means} | |")
     return "\n".join(lines)
 
 
