@@ -46,7 +46,7 @@ import time
 from datetime import date
 from pathlib import Path
 
-from common import cpu_model, log, machine, status_bytes  # lscpu's model and AMX; /proc/self/status fields
+from common import cpu_model, log, machine, round_linears, status_bytes  # lscpu's model and AMX; /proc
 
 ARMS = (
     "peft_lora", "peft_qlora", "pact_dropin", "pact_finetune", "peft_lora_dup", "pact_finetune_padded",
@@ -94,21 +94,13 @@ def job_settings(model_name: str | None = None) -> dict:
 
 
 def rounded(model, keep_fraction: float):
-    """`model` with its decoder linears' weights replaced by their NVFP4 reconstruction (`optimum_pact.nvfp4.quantize`,
-    what a FrozenLinear built from them computes with), the `keep_fraction` with the largest NVFP4 error left as they
-    are (AQLoRA's rank_by="nvfp4" list)."""
-    import torch
-
-    from optimum_pact.nvfp4 import quantize
-    from peft_ext.blocks import decoder_linears
+    """`model` with its decoder linears' weights replaced by their NVFP4 reconstruction (`fake_quantize`: what a
+    FrozenLinear built from them computes with, bit for bit), the `keep_fraction` with the largest NVFP4 error left as
+    they are (AQLoRA's rank_by="nvfp4" list)."""
+    from optimum_pact.nvfp4 import fake_quantize
     from peft_ext.ranking import choose_protected
 
-    keep = set(choose_protected(model, keep_fraction, "nvfp4")) if keep_fraction else set()
-    with torch.no_grad():
-        for name, linear in decoder_linears(model).items():
-            if name not in keep:
-                weight = linear.weight
-                weight.copy_(quantize(weight.float()).dequantize(torch.float32).to(weight.dtype))
+    round_linears(model, fake_quantize, choose_protected(model, keep_fraction, "nvfp4") if keep_fraction else ())
     return model
 
 

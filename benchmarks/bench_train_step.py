@@ -40,7 +40,8 @@ ARMS = (
     "lora", "lora_dup", "lora_compile", "lora_pinned", "qlora_nf4", "lora_fp32", "pact", "pact_fused",
     "pact_pinned", "pact_trimmed", "pact_main", "pact_exact",
 )  # fmt: skip
-SAVERS = {"pact_main": "logits", "pact_exact": "exact"}  # the arms built as `pact finetune` builds its model
+# the arms built as `pact finetune` builds its model: the memory savers each runs (pact_main: the main job's own)
+SAVERS = {"pact_main": None, "pact_exact": "exact"}
 SIZES = {"smollm2": 4, "qwen2.5-0.5b": 2}  # model_folder key: default batch
 RATIOS = {  # name: (arm, over arm)
     "pact_vs_lora": ("pact", "lora"),
@@ -82,9 +83,11 @@ def build(arm: str, model_path: str, r: int, dtype_name: str):
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
         return get_peft_model(model, LoraConfig(**lora))
     if arm in SAVERS:
+        from optimum_pact.commands.arguments import MAIN_JOB_DEFAULTS
         from optimum_pact.commands.streamed_base import load_streamed_base
 
-        config = PactConfig(**lora, protect_fraction=0.25, rank_by="nvfp4")  # the main job's (MAIN_JOB_DEFAULTS)
+        job = MAIN_JOB_DEFAULTS
+        config = PactConfig(**lora, protect_fraction=job["pact_protect_fraction"], rank_by=job["pact_rank_by"])
         base, config = load_streamed_base(config, model_path, None, getattr(torch, dtype_name))
         return get_peft_model(base, config)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
@@ -110,9 +113,10 @@ def run_arm(arm: str, model_path: str, steps: int, batch: int, seq: int, r: int,
 
     trim = HeapTrimmer() if arm in ("pact_trimmed", *SAVERS) else None  # as PactTrainer's pact_trim_heap does
     if arm in SAVERS:
+        from optimum_pact.commands.arguments import MAIN_JOB_DEFAULTS
         from optimum_pact.memory import enable_memory_savers
 
-        enable_memory_savers(model, SAVERS[arm])  # closed with the process
+        enable_memory_savers(model, SAVERS[arm] or MAIN_JOB_DEFAULTS["pact_memory_saver"])  # closed with the process
     for i in range(steps + 1):  # the first step warms up (and compiles)
         start = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
@@ -142,7 +146,8 @@ def main() -> None:
     parser.add_argument("--output", help="a folder: also write the results there (results.json)")
     args = parser.parse_args()
     args.batch = args.batch or SIZES[args.size]
-    args.model = args.model or model_folder(args.size, quick=False)  # --size's when not given
+    size = None if args.model else args.size  # what the results name: --size's model, or the --model folder given
+    args.model = args.model or model_folder(args.size, quick=False)
     if args.arm:
         if args.threads:
             import torch
@@ -183,7 +188,7 @@ def main() -> None:
             ratios[name] = {"median": statistics.median(per), "min": min(per), "max": max(per), "sessions": per}
     noise = ratios.get("noise_dup_vs_lora", {}).get("median")
     rss_ratios = {f"{a}_rss_vs_lora": rss[a] / rss["lora"] for a in arms if a != "lora" and "lora" in arms}
-    config = {"size": args.size if args.model == model_folder(args.size, quick=False) else None, "model": args.model,
+    config = {"size": size, "model": args.model,
               "batch": args.batch, "seq": args.seq, "r": args.r, "dtype": args.dtype,
               "steps": args.steps, "sessions": args.sessions, "cpu": cpu_model(),
               "date": time.strftime("%Y-%m-%d"), "arms": arms}  # fmt: skip

@@ -81,6 +81,20 @@ def model_folder(key: str, quick: bool) -> str:
     return str(folder)
 
 
+def round_linears(model, rounding, keep=()) -> None:
+    """Replace each decoder linear's weight in `model` (peft_ext.blocks.decoder_linears) by `rounding` of it in fp32,
+    in place: what a 4-bit format reconstructs (optimum_pact.nvfp4.fake_quantize, peft_ext.ranking.nf4_dequantized).
+    The linears named in `keep` stay as they are."""
+    import torch
+
+    from peft_ext.blocks import decoder_linears
+
+    with torch.no_grad():
+        for name, linear in decoder_linears(model).items():
+            if name not in keep:
+                linear.weight.copy_(rounding(linear.weight.float()))
+
+
 def status_bytes(field: str) -> int:
     """A size field of /proc/self/status (VmRSS, VmHWM, ...) in bytes."""
     with open("/proc/self/status") as f:

@@ -26,12 +26,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 def main(argv=None) -> list[dict]:
     import eval_personalization as ep
-    import torch
+    from common import round_linears
     from protection_controls import matched_random_protected
     from transformers import AutoTokenizer
 
     from optimum_pact.nvfp4 import SCALE_RULES, fake_quantize
-    from peft_ext.blocks import decoder_linears
     from peft_ext.ranking import choose_protected, nf4_dequantized
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -60,10 +59,7 @@ def main(argv=None) -> list[dict]:
         keep = choose_protected(model, args.keep_fraction, args.format) if args.keep_fraction else []
         if args.keep_by == "random":
             keep = matched_random_protected(model, keep, seed)
-        with torch.no_grad():
-            for name, layer in decoder_linears(model).items():
-                if name not in keep:
-                    layer.weight.copy_(rounded(layer.weight.float()))
+        round_linears(model, rounded, keep)
         start = time.perf_counter()
         losses = ep.train(model, ep.batches(tokenizer, task.train, bench.steps, bench.batch, seed), bench.lr)
         train_s = round(time.perf_counter() - start, 1)

@@ -4,16 +4,34 @@ import sys
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from transformers import (
+    DataCollatorForSeq2Seq,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
+VOCAB = 128  # the tiny models' vocabulary
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 
 def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
     torch.manual_seed(seed)
     if arch == "llama":
-        return LlamaForCausalLM(LlamaConfig(**{"vocab_size": 128, **TINY, **overrides}))
-    return Qwen2ForCausalLM(Qwen2Config(**{"vocab_size": 128, **TINY, **overrides}))
+        return LlamaForCausalLM(LlamaConfig(**{"vocab_size": VOCAB, **TINY, **overrides}))
+    return Qwen2ForCausalLM(Qwen2Config(**{"vocab_size": VOCAB, **TINY, **overrides}))
+
+
+def padded_collator() -> DataCollatorForSeq2Seq:
+    """The main job's collator, on a word-level tokenizer over the tiny models' ids (pad id 0, right padding)."""
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t1")), pad_token="t0"
+    )
+    return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
 
 
 def train_lm(model, steps: int = 30, seed: int = 0) -> list[float]:

@@ -5,12 +5,10 @@ import logging
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import padded_collator, tiny_model
 from datasets import Dataset
 from peft import LoraConfig, get_peft_model
-from tokenizers import Tokenizer
-from tokenizers.models import WordLevel
-from transformers import DataCollatorForSeq2Seq, PreTrainedTokenizerFast
+from transformers import DataCollatorForSeq2Seq
 
 from optimum_pact.commands import finetune
 from optimum_pact.commands.arguments import parse_finetune_args
@@ -37,14 +35,6 @@ def _rows(seed: int = 0) -> list[dict]:
         ids = torch.randint(1, VOCAB, (length,), generator=g).tolist()
         rows.append({"input_ids": ids, "attention_mask": [1] * length, "labels": [-100] * prompt + ids[prompt:]})
     return rows
-
-
-def _padded_collator() -> DataCollatorForSeq2Seq:
-    """The main job's collator, on a word-level tokenizer over the tiny models' ids (pad id 0, right padding)."""
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer(WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t1")), pad_token="t0"
-    )
-    return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
 
 
 def _lora(arch: str, attention: str):
@@ -74,7 +64,7 @@ def _step(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
 @pytest.mark.parametrize("attention", ATTENTION)
 def test_packed_batch_has_the_padded_batchs_losses_and_gradients(arch, attention):
     rows = _rows()
-    padded, packed = _padded_collator()(copy.deepcopy(rows)), PaddingFreeCollator()(copy.deepcopy(rows))
+    padded, packed = padded_collator()(copy.deepcopy(rows)), PaddingFreeCollator()(copy.deepcopy(rows))
     assert padded["input_ids"].shape == (4, 12) and packed["input_ids"].shape == (1, 32)
     assert "attention_mask" not in packed  # a mask would stop transformers reading the packed position ids
     assert packed["position_ids"][0].tolist() == [i for n, _ in EXAMPLES for i in range(n)]
@@ -159,7 +149,7 @@ def _train(tmp_path, padding_free: bool, saver: str) -> tuple[PactTrainer, list[
     )  # fmt: skip
     data = Dataset.from_list(_rows() + _rows(seed=2))
     model = _lora("llama", "sdpa")
-    trainer = PactTrainer(model=model, args=args, train_dataset=data, data_collator=_padded_collator())
+    trainer = PactTrainer(model=model, args=args, train_dataset=data, data_collator=padded_collator())
     trainer.train()
     return trainer, [log["loss"] for log in trainer.state.log_history if "loss" in log]
 
@@ -196,7 +186,7 @@ def test_calibration_batch_stays_padded(tmp_path):
         )  # fmt: skip
         # plain LoRA: PactTrainer converts it, calibrating on the first batch
         model = get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules="all-linear"))
-        trainer = PactTrainer(model=model, args=args, train_dataset=data, data_collator=_padded_collator())
+        trainer = PactTrainer(model=model, args=args, train_dataset=data, data_collator=padded_collator())
         configs.append(trainer.model.peft_config["default"])
     assert configs[1].protected_modules == configs[0].protected_modules and configs[0].protected_modules
 

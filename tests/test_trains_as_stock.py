@@ -13,7 +13,7 @@ the second step, only the first step is compared.
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import padded_collator, tiny_model
 from datasets import Dataset
 from peft import LoraConfig, get_peft_model
 from transformers import Trainer, TrainerCallback, TrainingArguments
@@ -47,18 +47,6 @@ def _rows() -> list[dict]:
             }
         )
     return rows
-
-
-def _pad(features: list[dict]) -> dict:
-    """DataCollatorForSeq2Seq's right padding (pad id 0, labels -100) without a tokenizer."""
-    width = max(len(f["input_ids"]) for f in features)
-    out = {k: [] for k in ("input_ids", "attention_mask", "labels")}
-    for f in features:
-        pad = width - len(f["input_ids"])
-        out["input_ids"].append(f["input_ids"] + [0] * pad)
-        out["attention_mask"].append(f["attention_mask"] + [0] * pad)
-        out["labels"].append(f["labels"] + [-100] * pad)
-    return {k: torch.tensor(v) for k, v in out.items()}
 
 
 class _Gradients(TrainerCallback):
@@ -95,7 +83,7 @@ def _gradients(trainer_cls, args_cls, model, tmp_path, **options) -> list[dict[s
     args = args_cls(output_dir=str(tmp_path / trainer_cls.__name__), **RUN, **options)
     seen = _Gradients()
     rows = Dataset.from_list(_rows())
-    trainer_cls(model=model, args=args, train_dataset=rows, data_collator=_pad, callbacks=[seen]).train()
+    trainer_cls(model=model, args=args, train_dataset=rows, data_collator=padded_collator(), callbacks=[seen]).train()
     return seen.steps
 
 
