@@ -283,31 +283,88 @@ def test_fused_linear_equals_the_reference_up_to_fp32_summation_order(scalar, ro
     torch.manual_seed(rows + n)
     q = quantize(torch.randn(n, k) * torch.rand(n, 1) * 3)
     x = torch.randn(rows, k).to(dtype)
-    w = q.dequantize(torch.float64)
-    expected = x.double() @ w.T  # exact sums
-    magnitude = x.abs().double() @ w.abs().T
-    lora = None
-    if rank:  # the adapter's term, added in the same pass before the one rounding
-        a, b, scaling = torch.randn(rank, k) / k**0.5, torch.randn(n, rank), 0.5
-        lora = (a, b, scaling)
-        xa = scaling * (x.double() @ a.double().T)
-        expected = expected + xa @ b.double().T
-        magnitude = magnitude + (scaling * (x.abs().double() @ a.abs().double().T)) @ b.abs().double().T
+    lora = _lora(rank, n, k)
     got = linear_native(q.qdata, q.scale, q.scale_2, x, lora=lora, scalar=scalar)
-    assert got.dtype == dtype and got.shape == (rows, n)
-    bound = 4 * (k + rank) * torch.finfo(torch.float32).eps * magnitude  # the fp32 rounding error of the sums
-    bound = bound + torch.finfo(dtype).eps / 2 * (expected.abs() + bound)  # and the one rounding into x's dtype
+    _assert_fused(got, x, q.dequantize(torch.float64), lora)
+
+
+def _lora(rank: int, n: int, k: int):
+    return (torch.randn(rank, k) / k**0.5, torch.randn(n, rank), 0.5) if rank else None
+
+
+def _assert_fused(got, x, w, lora) -> None:
+    """`got` is `x @ w.T` (+ the adapter's term) summed in fp32 and rounded once into x's dtype."""
+    assert got.dtype == x.dtype and got.shape == (x.shape[0], w.shape[0])
+    expected = x.double() @ w.double().T  # exact sums
+    magnitude = x.abs().double() @ w.abs().double().T
+    rank = 0
+    if lora is not None:  # the adapter's term, added in the same pass before the one rounding
+        a, b, scaling = lora
+        rank = a.shape[0]
+        expected = expected + (scaling * (x.double() @ a.double().T)) @ b.double().T
+        magnitude = magnitude + (scaling * (x.abs().double() @ a.abs().double().T)) @ b.abs().double().T
+    bound = 4 * (x.shape[1] + rank) * torch.finfo(torch.float32).eps * magnitude  # the fp32 rounding of the sums
+    bound = bound + torch.finfo(x.dtype).eps / 2 * (expected.abs() + bound)  # and the one rounding into x's dtype
     assert ((got.double() - expected).abs() <= bound).all()
 
 
 @needs_native
-def test_the_torch_backend_fuses_only_inference_on_few_rows(monkeypatch):
-    from optimum_pact.backends import get_backend
+@pytest.mark.parametrize("scalar", [False, True])
+@pytest.mark.parametrize(("rows", "n", "k"), [(1, 80, 96), (3, 1536, 576), (8, 64, 4864), (2, 40, 112), (1, 8, 48)])
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rank", [0, 8])
+def test_fused_linear_on_a_16bit_weight_equals_the_reference_up_to_fp32_summation_order(
+    scalar, rows, n, k, wdtype, dtype, rank
+):
+    """A layer kept 16-bit decodes through the same kernel: its row widened to fp32, fp32 sums, the adapter's term,
+    one rounding. A wrong widening (fp16 read as bf16) or a lost term is far outside the bound."""
+    from optimum_pact.nvfp4.kernels import NativeLinear
+
+    torch.manual_seed(rows + n)
+    w = (torch.randn(n, k) * torch.rand(n, 1) * 3).to(wdtype)
+    x = torch.randn(rows, k).to(dtype)
+    lora = _lora(rank, n, k)
+    _assert_fused(NativeLinear(w, lora=lora, scalar=scalar)(x), x, w, lora)
+    with pytest.raises(ValueError, match="16-bit weight"):
+        NativeLinear(w.float())
+
+
+@pytest.fixture
+def native_calls(monkeypatch) -> list:
+    """The shapes of the x each native fused product is called with, from now on."""
     from optimum_pact.nvfp4.kernels import NativeLinear
 
     calls = []
     real = NativeLinear.run
     monkeypatch.setattr(NativeLinear, "run", lambda self, x: calls.append(x.shape) or real(self, x))
+    return calls
+
+
+@needs_native
+def test_the_torch_backend_decodes_16bit_layers_with_their_adapter_natively_and_trains_them_as_before(native_calls):
+    from optimum_pact.backends import get_backend
+
+    calls = native_calls
+    backend = get_backend("torch")
+    w = torch.randn(64, 96).to(torch.bfloat16)
+    a, b = torch.randn(4, 96), torch.randn(64, 4)
+    x = torch.randn(1, 1, 96, dtype=torch.bfloat16)
+    with torch.no_grad():
+        plain, fused = backend.forward(x, w), backend.bind_lora(w, a, b, 2.0)(x)
+    assert calls == [(1, 1, 96)]  # the adapter's: a 16-bit layer alone multiplies as in training
+    assert torch.equal(plain, x @ w.T)
+    lora = 2.0 * (x.float() @ a.T) @ b.T
+    torch.testing.assert_close(fused, (x.float() @ w.float().T + lora).to(torch.bfloat16), atol=0, rtol=1e-2)
+    assert backend.bind_lora(w.float(), a, b, 2.0) is None  # fp32 weights are not a 16-bit layer's
+    assert len(calls) == 1
+
+
+@needs_native
+def test_the_torch_backend_fuses_only_inference_on_few_rows(native_calls):
+    from optimum_pact.backends import get_backend
+
+    calls = native_calls
     backend = get_backend("torch")
     q = quantize(torch.randn(64, 96))
     x = torch.randn(1, 2, 96, dtype=torch.bfloat16)

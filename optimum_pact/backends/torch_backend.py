@@ -19,6 +19,13 @@ FUSED_MAX_ROWS = 8
 FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _native_weight(handle: NVFP4Tensor | torch.Tensor) -> bool:
+    """Whether the native kernel reads this weight: packed, or 16-bit (a layer kept 16-bit), on the CPU."""
+    if isinstance(handle, NVFP4Tensor):
+        return handle.qdata.is_cpu
+    return handle.is_cpu and handle.dtype in (torch.bfloat16, torch.float16) and handle.dim() == 2
+
+
 def _fusable(x: torch.Tensor, k: int) -> bool:
     """Whether the fused product takes `x` against a weight with `k` inputs: inference (no autograd) on at most
     FUSED_MAX_ROWS rows of a CPU tensor in a dtype the kernel reads."""
@@ -120,9 +127,9 @@ class TorchBackend:
     def bind_lora(
         self, handle: NVFP4Tensor | torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float
     ) -> FusedLora | None:
-        """The fused decoding product of `handle` and this adapter as its tensors are now (see `FusedLora`), or None
-        where there is none (a 16-bit weight, the native kernel unavailable)."""
-        if not isinstance(handle, NVFP4Tensor) or not handle.qdata.is_cpu or not native_available():
+        """The fused decoding product of `handle` (packed, or a layer kept 16-bit) and this adapter as its tensors are
+        now (see `FusedLora`), or None where there is none (a weight off the CPU, the native kernel unavailable)."""
+        if not _native_weight(handle) or not native_available():
             return None
         return FusedLora(self, handle, (lora_a, lora_b, scaling))
 
@@ -138,13 +145,13 @@ class TorchBackend:
     def _fused(x: torch.Tensor, handle: NVFP4Tensor | torch.Tensor) -> bool:
         """Inference (no autograd) on a few rows of an NVFP4 weight on the CPU, i.e. decoding: one pass over the
         packed weight, fp32 sums, never a dequantized weight in memory."""
-        if not isinstance(handle, NVFP4Tensor):
+        if not isinstance(handle, NVFP4Tensor) or not handle.qdata.is_cpu:
             return False
-        k = handle.qdata.shape[1] * 2  # x of another width goes on to the matmul, which says what does not fit
+        k = handle.shape[1]  # x of another width goes on to the matmul, which says what does not fit
         return x.shape[-1] == k and _fusable(x, k) and native_available()
 
     def _forward(self, x: torch.Tensor, handle: NVFP4Tensor | torch.Tensor) -> torch.Tensor:
-        if isinstance(handle, torch.Tensor):
+        if isinstance(handle, torch.Tensor):  # a layer kept 16-bit: fused only with its adapter (`bind_lora`)
             return _matmul(x, handle.to(x.dtype).t())
         if runs_on_triton(x, handle) and (out := triton_product("forward", x, handle)) is not None:
             self.counts["triton_forward"] += 1
@@ -186,8 +193,11 @@ class FusedLora:
     CPU: decoding), with a single rounding into x's dtype; None for any other x (the caller runs the two apart).
     Bound to the adapter's tensors as they are when built: rebuild it after changing them."""
 
-    def __init__(self, backend: TorchBackend, handle: NVFP4Tensor, lora: tuple[torch.Tensor, torch.Tensor, float]):
-        self.backend, self.native = backend, NativeLinear(handle.qdata, handle.scale, handle.scale_2, lora)
+    def __init__(
+        self, backend: TorchBackend, handle: NVFP4Tensor | torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor, float]
+    ):
+        packed = (handle.qdata, handle.scale, handle.scale_2) if isinstance(handle, NVFP4Tensor) else (handle,)
+        self.backend, self.native = backend, NativeLinear(*packed, lora=lora)
         self.n, self.k = self.native.n, self.native.k
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:

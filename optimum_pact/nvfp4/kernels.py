@@ -52,6 +52,9 @@ class _LinearArgs(ctypes.Structure):
         ("scale_2", ctypes.c_float),
         ("scaling", ctypes.c_float),
         ("scalar", ctypes.c_int32),
+        ("dense", ctypes.c_void_p),
+        ("d_stride", ctypes.c_int64),
+        ("dense_f16", ctypes.c_int32),
     ]
 
 
@@ -193,7 +196,8 @@ def dequantize_native(
 
 
 class NativeLinear:
-    """A packed weight, and optionally one LoRA adapter, bound once for the fused product of few rows (decoding).
+    """A packed weight (or a 16-bit one), and optionally one LoRA adapter, bound once for the fused product of few
+    rows (decoding).
 
     Calling it with `x [..., k]` gives `x @ deq(W).T` (+ `scaling * (x @ A.T) @ B.T` with `lora=(A [r, k], B [n, r],
     scaling)`), reading the packed weight directly: no dequantized weight is written. Sums run in fp32 and the result
@@ -207,13 +211,26 @@ class NativeLinear:
     def __init__(
         self,
         qdata: torch.Tensor,
-        scale: torch.Tensor,
-        scale_2: torch.Tensor,
+        scale: torch.Tensor | None = None,
+        scale_2: torch.Tensor | None = None,
         lora: tuple[torch.Tensor, torch.Tensor, float] | None = None,
         scalar: bool = False,
     ):
-        self._lib, qdata, scale = _native_weight(qdata, scale)
-        self.n, self.k = qdata.shape[0], qdata.shape[1] * 2
+        """`qdata`, `scale`, `scale_2`: a packed weight; or `qdata` a 16-bit weight [n, k] (bf16 or fp16, a layer
+        kept 16-bit) with `scale` and `scale_2` None, read as it is (widened to fp32, exact)."""
+        dense = scale is None
+        if dense:
+            sixteen = qdata.dtype in (torch.bfloat16, torch.float16)
+            if not sixteen or qdata.dim() != 2 or qdata.shape[1] % 16 or not qdata.is_cpu:
+                shape = tuple(qdata.shape)
+                raise ValueError(f"a 16-bit weight is a CPU bf16 / fp16 [n, k], k % 16 == 0: {qdata.dtype} {shape}")
+            self._lib, weight = _native(), _last_dim_contiguous(qdata.detach())
+            if self._lib is None:
+                raise RuntimeError("the native NVFP4 kernel is unavailable")
+            self.n, self.k = weight.shape
+        else:
+            self._lib, qdata, scale = _native_weight(qdata, scale)
+            self.n, self.k = qdata.shape[0], qdata.shape[1] * 2
         a = b = None
         rank, scaling = 0, 1.0
         self.lora_versions = None
@@ -226,6 +243,15 @@ class NativeLinear:
                 raise ValueError(
                     f"LoRA A {tuple(a.shape)} / B {tuple(b.shape)} do not fit a weight of shape {(self.n, self.k)}"
                 )
+        if dense:
+            self._keep = (weight, a, b)  # the memory the arguments point into
+            self._args = _LinearArgs(
+                None, None, None, 0, 0, self.n, self.k,
+                a.data_ptr() if a is not None else None, b.data_ptr() if b is not None else None, rank,
+                1.0, float(scaling), int(scalar),
+                weight.data_ptr(), weight.stride(0), int(weight.dtype == torch.float16),
+            )  # fmt: skip
+            return
         # fp32(fp32(e4m3) * scale_2) / 2 for every scale byte: the SIMD path's block factor (it multiplies 2 * E2M1)
         codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
         block_scale = (codes * scale_2.float().reshape(())) * 0.5
@@ -234,7 +260,7 @@ class NativeLinear:
             qdata.data_ptr(), scale.data_ptr(), block_scale.data_ptr(), qdata.stride(0), scale.stride(0),
             self.n, self.k,
             a.data_ptr() if a is not None else None, b.data_ptr() if b is not None else None, rank,
-            float(scale_2), float(scaling), int(scalar),
+            float(scale_2), float(scaling), int(scalar), None, 0, 0,
         )  # fmt: skip
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -195,6 +195,9 @@ typedef struct {
     const float *sc, *xp;     /* AVX2 fused product: block scales fp32(e4m3 * scale_2) / 2, x reordered (dot_avx2) */
     const float *xa, *lora_b; /* optional LoRA term: xa = scaling * x @ A.T [m, rank], lora_b = B [n, rank] */
     int64_t rank;
+    const uint16_t *dense; /* a 16-bit weight [n, k] (row stride d_stride) instead of the packed one: bf16, or fp16 */
+    int64_t d_stride;
+    int dense_f16;
     atomic_llong next; /* the next chunk to claim */
 } job_t;
 
@@ -321,6 +324,72 @@ static __attribute__((noinline)) float dot_avx2(const uint8_t *q, const uint8_t 
 }
 #endif
 
+/* sum_t w[t] * x[t] for a 16-bit weight row (bf16, or fp16) widened to fp32 (exact): SIMD in four accumulators of
+ * lanes (loads in flight while adds wait), summed at the end; the portable code in 16 lanes (k is a multiple of 16). */
+#if defined(PACT_AVX512)
+#define BF16X16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
+#define F16X16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define DENSE_DOT(name, WIDEN)                                                                                        \
+    static float name(const uint16_t *w, const float *x, int64_t k) {                                                \
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                                   \
+        int64_t t = 0;                                                                                                \
+        for (; t + 64 <= k; t += 64) {                                                                                \
+            a0 = _mm512_add_ps(a0, _mm512_mul_ps(WIDEN(w + t), _mm512_loadu_ps(x + t)));                              \
+            a1 = _mm512_add_ps(a1, _mm512_mul_ps(WIDEN(w + t + 16), _mm512_loadu_ps(x + t + 16)));                    \
+            a2 = _mm512_add_ps(a2, _mm512_mul_ps(WIDEN(w + t + 32), _mm512_loadu_ps(x + t + 32)));                    \
+            a3 = _mm512_add_ps(a3, _mm512_mul_ps(WIDEN(w + t + 48), _mm512_loadu_ps(x + t + 48)));                    \
+        }                                                                                                             \
+        for (; t < k; t += 16) a0 = _mm512_add_ps(a0, _mm512_mul_ps(WIDEN(w + t), _mm512_loadu_ps(x + t)));          \
+        return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));                    \
+    }
+DENSE_DOT(dense_dot_bf16, BF16X16)
+DENSE_DOT(dense_dot_f16, F16X16)
+#define PACT_DENSE_SIMD 1
+#elif defined(PACT_AVX2) && defined(__F16C__)
+#define BF16X8(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#define F16X8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define DENSE_DOT(name, WIDEN)                                                                                        \
+    static float name(const uint16_t *w, const float *x, int64_t k) {                                                \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                                   \
+        int64_t t = 0;                                                                                                \
+        for (; t + 32 <= k; t += 32) {                                                                                \
+            a0 = _mm256_add_ps(a0, _mm256_mul_ps(WIDEN(w + t), _mm256_loadu_ps(x + t)));                              \
+            a1 = _mm256_add_ps(a1, _mm256_mul_ps(WIDEN(w + t + 8), _mm256_loadu_ps(x + t + 8)));                      \
+            a2 = _mm256_add_ps(a2, _mm256_mul_ps(WIDEN(w + t + 16), _mm256_loadu_ps(x + t + 16)));                    \
+            a3 = _mm256_add_ps(a3, _mm256_mul_ps(WIDEN(w + t + 24), _mm256_loadu_ps(x + t + 24)));                    \
+        }                                                                                                             \
+        for (; t < k; t += 8) a0 = _mm256_add_ps(a0, _mm256_mul_ps(WIDEN(w + t), _mm256_loadu_ps(x + t)));           \
+        const __m256 acc = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));                              \
+        __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));                            \
+        v = _mm_add_ps(v, _mm_movehl_ps(v, v));                                                                       \
+        return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));                                                      \
+    }
+DENSE_DOT(dense_dot_bf16, BF16X8)
+DENSE_DOT(dense_dot_f16, F16X8)
+#define PACT_DENSE_SIMD 1
+#endif
+
+static float dense_dot(const uint16_t *w, const float *x, int64_t k, int f16, int scalar) {
+#ifdef PACT_DENSE_SIMD
+    if (!scalar) return f16 ? dense_dot_f16(w, x, k) : dense_dot_bf16(w, x, k);
+#endif
+    float acc[16] = {0}, sum = 0.0f;
+    for (int64_t t = 0; t < k; t += 16)
+        for (int c = 0; c < 16; c++) acc[c] += (f16 ? f16_to_f32(w[t + c]) : bf16_to_f32(w[t + c])) * x[t + c];
+    for (int c = 0; c < 16; c++) sum += acc[c];
+    return sum;
+}
+
+/* y[i, r] for a 16-bit weight row: dense_dot, the LoRA term added, one rounding. */
+static void dense_row(const job_t *j, int64_t r) {
+    const uint16_t *w = j->dense + r * j->d_stride;
+    for (int64_t i = 0; i < j->m; i++) {
+        float sum = dense_dot(w, j->x + i * j->k, j->k, j->dense_f16, j->scalar);
+        if (j->lora_b != NULL) sum += dot(j->xa + i * j->rank, j->lora_b + r * j->rank, j->rank);
+        store(j->y, i * j->n + r, sum, j->dtype);
+    }
+}
+
 /* y[i, r] = sum_k x[i, k] * w[r, k] for the m rows of x, one weight row r at a time, the weight never written out:
  * each block's 16 values come from the fp32 table, are multiplied by x and added into 16 fp32 lanes (portable: 16
  * scalar accumulators in the same order), and the lanes are summed at the end. */
@@ -379,7 +448,8 @@ static void work(job_t *j) {
         if (c >= j->nchunks) return;
         for (int64_t r = c * j->chunk; r < j->n && r < (c + 1) * j->chunk; r++) {
             if (j->x != NULL) {
-                linear_row(j, r);
+                if (j->dense != NULL) dense_row(j, r);
+                else linear_row(j, r);
                 continue;
             }
             const uint8_t *q = j->qdata + r * j->q_stride, *s = j->scale + r * j->s_stride;
@@ -521,11 +591,15 @@ typedef struct {
     int64_t rank;
     float scale_2, scaling;
     int32_t scalar; /* != 0: the portable (non-SIMD) code, for tests */
+    const uint16_t *dense; /* != NULL: a 16-bit weight [n, k] with row stride d_stride instead of qdata / scale */
+    int64_t d_stride;
+    int32_t dense_f16; /* the 16-bit weight is fp16 (else bf16) */
 } pact_linear_t;
 
 /* The fused product for few rows (decoding): y [m, n] = x [m, k] @ deq(W).T, W read packed and never dequantized
  * to memory, sums in fp32. x and y are contiguous, in `dtype` (0 fp32, 1 bf16, 2 fp16; y rounded to nearest even).
  * With an adapter, the LoRA term of the same rows is added before the rounding: y += scaling * (x @ A.T) @ B.T.
+ * With `dense` set, W is that 16-bit weight instead (a layer kept 16-bit), read the same way.
  * Returns 0, -1 on bad arguments, -2 out of memory. */
 int pact_nvfp4_linear(const pact_linear_t *w, const void *x, int64_t m, void *y, int dtype, int nthreads) {
     const uint8_t *qdata = w->qdata, *scale = w->scale;
@@ -537,9 +611,9 @@ int pact_nvfp4_linear(const pact_linear_t *w, const void *x, int64_t m, void *y,
     if (lora_b != NULL && (lora_a == NULL || rank < 1)) return -1;
     int reorder = 0; /* the AVX2 path reads x reordered per block and the block scales, not the value table */
 #ifdef PACT_AVX2
-    reorder = !scalar;
+    reorder = !scalar && w->dense == NULL;
 #endif
-    if (!reorder) fp32_table(scale_2, t32, sc);
+    if (!reorder && w->dense == NULL) fp32_table(scale_2, t32, sc);
     const int64_t nx = dtype != OUT_F32 ? m * k : 0, nxa = lora_b != NULL ? m * rank : 0, nxp = reorder ? m * k : 0;
     float *buf = NULL, *xa = NULL, *xp = NULL;
     const float *xf = (const float *)x;
@@ -575,6 +649,7 @@ int pact_nvfp4_linear(const pact_linear_t *w, const void *x, int64_t m, void *y,
     j.qdata = qdata, j.scale = scale, j.table = t32, j.q_stride = q_stride, j.s_stride = s_stride;
     j.n = n, j.k = k, j.dtype = dtype, j.scalar = scalar, j.x = xf, j.y = y, j.m = m;
     j.xa = xa, j.lora_b = lora_b, j.rank = rank, j.sc = w->block_scale, j.xp = xp;
+    j.dense = w->dense, j.d_stride = w->d_stride, j.dense_f16 = w->dense_f16;
     j.chunk = 64; /* rows of W a thread claims at a time */
     j.nchunks = (n + j.chunk - 1) / j.chunk;
     atomic_init(&j.next, 0);
