@@ -3,7 +3,9 @@ exit after the last token), each run several times in turn, medians reported.
 
 Commands (the adapter's GGUF cached beside it for the llama.cpp engine, the default model cached):
 - `pact generate --adapter A "..."` and `pact chat --adapter A` with one line piped in (its first answer), on the
-  pact engine; the same two with `--engine llama.cpp`;
+  pact engine (its quick path once the base is packed: no transformers or peft import, `commands/pact_quick.py`);
+  `pact generate` on the full path beside it (transformers + peft, as before the quick path; `--backend torch`, an
+  option the quick path leaves to it, sends it there); the same two with `--engine llama.cpp`;
 - `python -c pass` (the interpreter alone), `python -c "import torch"` and the import of transformers' Llama code
   and peft beside them: the idle-noise arm, and what the pact engine pays before it loads anything.
 
@@ -41,6 +43,7 @@ def commands(pact: str, adapter: str, prompt: str = PROMPT) -> dict[str, tuple[l
         "import_stack": ([sys.executable, "-c", "import transformers.models.llama.modeling_llama, peft"], None),
         "generate_pact": ([pact, "generate", "--adapter", adapter, prompt], None),
         "chat_pact": ([pact, "chat", "--adapter", adapter], prompt + "\n"),
+        "generate_pact_full": ([pact, "generate", "--adapter", adapter, "--backend", "torch", prompt], None),
         "generate_llama": ([pact, "generate", "--adapter", adapter, *llama, prompt], None),
         "chat_llama": ([pact, "chat", "--adapter", adapter, *llama], prompt + "\n"),
     }
@@ -75,6 +78,9 @@ def main() -> None:
             took, answers[arm] = timed(argv, stdin)
             seconds[arm].append(took)
             log(f"round {round_}: {arm:>14} {took:.2f} s")
+    if answers["generate_pact"] != answers["generate_pact_full"]:
+        raise SystemExit(f"the quick path answered {answers['generate_pact']!r}, the full path "
+                         f"{answers['generate_pact_full']!r}")  # fmt: skip
     summary = {arm: {"median_s": statistics.median(v), "min_s": min(v), "max_s": max(v)} for arm, v in seconds.items()}
     medians = {arm: figures["median_s"] for arm, figures in summary.items()}
     targets = {arm: {"value": medians[arm], "target": f"<= {bound}", "met": medians[arm] <= bound}

@@ -1,8 +1,10 @@
 """Decode speed: tokens per second generating on SmolLM2-135M-Instruct, batch 1, greedy.
 
 Arms, interleaved round by round (each round runs every arm once, in a rotated order): PACT (`PactModelForCausalLM`,
-torch backend, `dtype="auto"` as `pact generate` runs it (bf16 for inference), with an r=8 all-linear adapter: the
-user's case), the same PACT model again (the noise arm), transformers bf16 and fp32
+torch backend, `dtype="auto"` as `pact generate` runs it (bf16 for inference), with an r=8 all-linear adapter, or
+the one `--adapter` names, e.g. the main job's with its quarter of linears kept 16-bit: the user's case), the same
+PACT model again (the noise arm), `pact_quick` (what `pact generate` runs once the base is packed: the same products
+through `optimum_pact.decoder`, without transformers' generate loop), transformers bf16 and fp32
 eager on the dequantized-GGUF weights without an adapter, and llama.cpp through llama-cpp-python on the Q4_1 GGUF the
 default model comes from (`pip install optimum-pact[llama]`; otherwise the arm is reported missing) and on the same
 adapter merged and exported by `pact export --format gguf` (NVFP4, f16 embeddings: `llama_cpp_nvfp4`), both with
@@ -37,8 +39,10 @@ from transformers import AutoModelForCausalLM
 
 from optimum_pact.commands.default_model import default_gguf_path, ensure_default_model
 from optimum_pact.commands.export import export_merged
+from optimum_pact.commands.generate_options import light_parser
 from optimum_pact.commands.gguf_export import export_gguf
 from optimum_pact.commands.modeling import PactModelForCausalLM
+from optimum_pact.commands.pact_quick import load_quick
 from optimum_pact.nvfp4.kernels import NativeLinear
 from peft_ext.layer import PactLoraLinear
 
@@ -53,6 +57,16 @@ def timed_generate(model, ids: torch.Tensor, new: int) -> float:
 def decode_tps(model, ids: torch.Tensor, new: int) -> float:
     first = timed_generate(model, ids, 1)
     return (new - 1) / (timed_generate(model, ids, new) - first)
+
+
+def quick_tps(quick, ids: list[int], new: int) -> float:
+    """`decode_tps` for the quick path's decoder (greedy, no end of sequence)."""
+    times = {}
+    for n in (1, new):
+        start = time.perf_counter()
+        quick.decoder.greedy(ids, n, set())
+        times[n] = time.perf_counter() - start
+    return (new - 1) / (times[new] - times[1])
 
 
 def breakdown(model, ids: torch.Tensor, new: int) -> dict[str, float]:
@@ -92,19 +106,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--adapter", help="an adapter folder on the default model (default: a new r=8 all-linear one)")
     args = parser.parse_args()
     threads = torch.get_num_threads()
     base = ensure_default_model()
     ids = torch.randint(100, 40000, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
     exported = Path(tempfile.mkdtemp(prefix="bench-decode-"))
-    adapter = exported / "adapter"
-    lora = get_peft_model(
-        AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16),
-        LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False),
-    )
-    lora.save_pretrained(adapter)
-    del lora
+    adapter = Path(args.adapter) if args.adapter else exported / "adapter"
+    if not args.adapter:
+        lora = get_peft_model(
+            AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16),
+            LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False),
+        )
+        lora.save_pretrained(adapter)
+        del lora
     pact = PactModelForCausalLM.from_pretrained(str(base), adapter=str(adapter))  # dtype "auto", as pact generate
+    quick = load_quick(light_parser("chat").parse_args(["--model", str(base), "--adapter", str(adapter)]))
     sizes = {}
     if importlib.util.find_spec("llama_cpp") is not None:
         # the GGUF --engine llama.cpp decodes (merged without scoring), and the bf16 folder for its size
@@ -120,6 +137,7 @@ def main() -> None:
     arms = {
         "pact": lambda: decode_tps(pact, ids, args.new_tokens),
         "pact_dup": lambda: decode_tps(pact, ids, args.new_tokens),
+        "pact_quick": lambda: quick_tps(quick, ids[0].tolist(), args.new_tokens),
         "bf16": lambda: decode_tps(bf16, ids, args.new_tokens),
         "fp32": lambda: decode_tps(fp32, ids, args.new_tokens),
     }
@@ -138,9 +156,11 @@ def main() -> None:
     parts = breakdown(pact, ids, args.new_tokens)
     ratio = {"pact/bf16": med["pact"] / med["bf16"], "pact/fp32": med["pact"] / med["fp32"]}
     ratio["pact/best_transformers"] = med["pact"] / max(med["bf16"], med["fp32"])
+    ratio["pact_quick/best_transformers"] = med["pact_quick"] / max(med["bf16"], med["fp32"])
     ratio["dup/pact"] = med["pact_dup"] / med["pact"]
     if "llama_cpp" in med:
         ratio["pact/llama_cpp"] = med["pact"] / med["llama_cpp"]
+        ratio["pact_quick/llama_cpp"] = med["pact_quick"] / med["llama_cpp"]
         ratio["nvfp4_gguf/q4_1_gguf"] = med["llama_cpp_nvfp4"] / med["llama_cpp"]
         ratio["nvfp4_gguf/pact"] = med["llama_cpp_nvfp4"] / med["pact"]
     print(
@@ -151,6 +171,8 @@ def main() -> None:
                 "machine": platform.machine(),
                 "threads": threads,
                 "pact_dtype": str(pact.model.dtype).removeprefix("torch."),
+                "adapter": str(args.adapter or "r=8 all-linear, random B"),
+                "sixteen_bit_linears": len(pact.model.peft_config["default"].sixteen_bit_modules()),
                 "prompt_tokens": args.prompt_tokens,
                 "new_tokens": args.new_tokens,
                 "rounds": args.rounds,
@@ -162,6 +184,10 @@ def main() -> None:
                 "llama_cpp": "measured" if "llama_cpp" in med else "not installed (pip install optimum-pact[llama])",
                 "targets": {
                     "pact_ge_bf16": ratio["pact/bf16"] >= 1.0,
+                    "pact_quick_ge_1.5_best_transformers": ratio["pact_quick/best_transformers"] >= 1.5,
+                    "pact_quick_ge_half_llama_cpp": (
+                        ratio["pact_quick/llama_cpp"] >= 0.5 if "llama_cpp" in med else None
+                    ),
                     "pact_ge_half_llama_cpp": ratio["pact/llama_cpp"] >= 0.5 if "llama_cpp" in med else None,
                     "nvfp4_gguf_ge_0.9_q4_1": ratio["nvfp4_gguf/q4_1_gguf"] >= 0.9 if "llama_cpp" in med else None,
                     "nvfp4_gguf_ge_3_pact": ratio["nvfp4_gguf/pact"] >= 3.0 if "llama_cpp" in med else None,

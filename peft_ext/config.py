@@ -16,7 +16,7 @@ from optimum_pact.backends import Backend, get_backend
 from optimum_pact.dataflow import FrozenLinear
 from optimum_pact.errors import OptionError
 from optimum_pact.files import read_json_object
-from optimum_pact.precision.plan import PRECISIONS, check_plan
+from optimum_pact.precision.plan import PRECISIONS, check_plan, sixteen_bit_modules
 
 from .layer import dispatch_pact
 from .options import PactOptions
@@ -75,8 +75,7 @@ class PactConfig(LoraConfig, PactOptions):
     def sixteen_bit_modules(self) -> list[str]:
         """The targeted linears this adapter was trained with 16-bit (AQLoRA's protected ones, the precision plan's
         fp16 ones): every use of the adapter holds them 16-bit too, from the original weights."""
-        plan = {name for name, precision in (self.precision_plan or {}).items() if precision == "fp16"}
-        return sorted(plan | set(self.protected_modules or ()))
+        return sixteen_bit_modules(self.precision_plan, self.protected_modules)
 
     def get_backend(self) -> Backend:
         """The one backend instance of the model this config builds, made on first use and then shared by every

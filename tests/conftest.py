@@ -49,6 +49,18 @@ def train_lm(model, steps: int = 30, seed: int = 0) -> list[float]:
     return losses
 
 
+def main_in_a_fresh_process(argv: list[str], modules: tuple[str, ...]) -> tuple[int, list[str], str, str]:
+    """`pact ARGV` (cli.main) in a new interpreter: (its status, which of `modules` it imported, stdout, stderr)."""
+    code = (
+        f"import sys\nfrom optimum_pact.commands.cli import main\nrc = main({argv!r})\n"
+        f"print(rc, sorted(m for m in {modules!r} if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    *out, last = done.stdout.strip().splitlines() or ["? []"]
+    rc, _, imported = last.partition(" ")
+    return (int(rc) if rc.lstrip("-").isdigit() else -1), eval(imported), "\n".join(out), done.stderr
+
+
 @pytest.fixture(params=["llama", "qwen2"])
 def arch(request):
     return request.param

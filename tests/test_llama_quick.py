@@ -1,10 +1,9 @@
 """`--engine llama.cpp` with the GGUF cached: llama.cpp alone answers, as the full path would, without torch."""
 
 import shutil
-import subprocess
-import sys
 
 import pytest
+from conftest import main_in_a_fresh_process
 from test_generation import _adapter
 from transformers import AutoTokenizer, HfArgumentParser
 
@@ -97,12 +96,7 @@ def test_the_light_parser_reads_what_hfargumentparser_reads():
 
 def test_a_cached_answer_imports_neither_torch_nor_transformers_nor_peft(small_model, exported):
     adapter, _ = exported
-    code = (
-        "import sys\nfrom optimum_pact.commands.cli import main\n"
-        f"rc = main(['generate', '--model', {str(small_model)!r}, '--adapter', {str(adapter)!r}, '--engine', "
-        "'llama.cpp', '--max_new_tokens', '3', 'Leo lost another tooth'])\n"
-        "print(rc, sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert done.stdout.strip().splitlines()[-1] == "0 []", done.stdout + done.stderr
-    assert not done.stderr
+    argv = ["generate", "--model", str(small_model), "--adapter", str(adapter), "--engine", "llama.cpp",
+            "--max_new_tokens", "3", "Leo lost another tooth"]  # fmt: skip
+    rc, imported, out, err = main_in_a_fresh_process(argv, ("torch", "transformers", "peft"))
+    assert (rc, imported, err) == (0, [], ""), out + err

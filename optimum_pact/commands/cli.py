@@ -74,6 +74,10 @@ def generation_main(command: str, argv: list[str]) -> int:
     from .llama_quick import quick_run
 
     done = quick_run(command, argv)  # --engine llama.cpp with the GGUF cached: llama.cpp alone, no torch import
+    if done is None:
+        from .pact_quick import quick_run as pact_quick_run
+
+        done = pact_quick_run(command, argv)  # the pact engine on a packed base: no transformers or peft import
     if done is not None:
         return done
     from transformers.utils.logging import disable_progress_bar

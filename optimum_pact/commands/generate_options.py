@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import typing
 from dataclasses import dataclass, field
 
@@ -105,6 +106,27 @@ def converse(lines, answer, out) -> list[dict]:
     return messages
 
 
+def answer_or_chat(command: str, model, args, lines=None, out=None) -> int:
+    """`pact generate` / `pact chat` on a quick path's `model` (`prompt_ids(messages)`, `answer(ids, args, out)`,
+    `trained_on`, `has_template`): the answer, or the chat loop with the full path's note first; a ValueError is one
+    line on stderr and status 2."""
+    try:
+        if command == "generate":
+            model.answer(model.prompt_ids(args.prompt), args, out)
+            return 0
+        record = model.trained_on
+        if record is not None and record.tags:
+            print(f"note: {record.describe()}; each message is tagged on its own.", file=out)
+        elif not model.has_template:
+            print("note: this model has no chat template; turns are sent as plain text.", file=out)
+        lines = lines if lines is not None else stdin_lines()
+        converse(lines, lambda messages: model.answer(model.prompt_ids(messages), args, out), out)
+        return 0
+    except ValueError as err:
+        print(f"pact {command}: error: {err}", file=sys.stderr)
+        return 2
+
+
 def stdin_lines():
     """What the person types, a `> ` prompt before each line, until end of input."""
     while True:
@@ -115,4 +137,5 @@ def stdin_lines():
             return
 
 
-__all__ = ["ENGINES", "EngineArguments", "adapter_folders", "check_context", "converse", "light_parser", "stdin_lines"]
+__all__ = ["ENGINES", "EngineArguments", "adapter_folders", "answer_or_chat", "check_context", "converse"]
+__all__ += ["light_parser", "stdin_lines"]

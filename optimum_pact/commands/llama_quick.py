@@ -21,7 +21,7 @@ from ..cache import cache_dir
 from ..files import sha256_file
 from .data.trained_on import TrainedOn, prompt_input
 from .default_model import recorded_base
-from .generate_options import adapter_folders, check_context, converse, light_parser, stdin_lines
+from .generate_options import adapter_folders, answer_or_chat, check_context, light_parser
 from .named_models import SMOLLM2, named_model
 
 GGUF_NAME = "pact-model.gguf"
@@ -53,7 +53,7 @@ def current_gguf(folder: str | Path, base: str) -> tuple[Path, dict] | None:
     return None
 
 
-def _base(model: str | None, adapter: str | None = None) -> str | None:
+def known_base(model: str | None, adapter: str | None = None) -> str | None:
     """`resolve_model(model, adapter)`'s answer where it needs no check that only the full path can make, else
     None."""
     model = model if model is not None else recorded_base(adapter)
@@ -81,6 +81,7 @@ class QuickModel:
         self.trained_on, self.context = trained_on, context
         self.add_bos = self.llm.metadata.get("tokenizer.ggml.add_bos_token") == "true"
         self.template = self.llm.metadata.get("tokenizer.chat_template")
+        self.has_template = bool(self.template)
         vocab = getattr(getattr(self.llm, "_model", None), "vocab", None)
         eos = self.llm.token_eos()
         self.is_end = (lambda token: llama_vocab_is_eog(vocab, token)) if vocab is not None else eos.__eq__
@@ -149,7 +150,7 @@ def quick_run(command: str, argv: list[str], lines=None, out=None) -> int | None
     except ValueError:
         return None  # an option only the full path takes, or a mistake the full path reports
     active = args.use if args.use is not None else next(iter(adapters), None)
-    base = _base(args.model, adapters.get(active))
+    base = known_base(args.model, adapters.get(active))
     if args.engine != "llama.cpp" or base is None or active not in adapters:
         return None
     if not all(Path(folder, "adapter_config.json").is_file() for folder in adapters.values()):
@@ -161,24 +162,12 @@ def quick_run(command: str, argv: list[str], lines=None, out=None) -> int | None
         return None
     if cached is None:
         return None
-    out = sys.stdout if out is None else out
     model = QuickModel(cached[0], trained_on, cached[1]["context"])
     try:
-        if command == "generate":
-            model.answer(model.prompt_ids(args.prompt), args, out)
-            return 0
-        if trained_on is not None and trained_on.tags:
-            print(f"note: {trained_on.describe()}; each message is tagged on its own.", file=out)
-        elif not model.template:
-            print("note: this model has no chat template; turns are sent as plain text.", file=out)
-        lines = lines if lines is not None else stdin_lines()
-        converse(lines, lambda messages: model.answer(model.prompt_ids(messages), args, out), out)
-        return 0
-    except ValueError as err:
-        print(f"pact {command}: error: {err}", file=sys.stderr)
-        return 2
+        return answer_or_chat(command, model, args, lines, sys.stdout if out is None else out)
     finally:
         model.close()
 
 
-__all__ = ["GGUF_NAME", "MAX_CONTEXT", "RECORD_NAME", "WRITER_VERSION", "current_gguf", "quick_run", "record_key"]
+__all__ = ["GGUF_NAME", "MAX_CONTEXT", "RECORD_NAME", "WRITER_VERSION"]
+__all__ += ["current_gguf", "known_base", "quick_run", "record_key"]

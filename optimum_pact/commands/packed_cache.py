@@ -25,7 +25,6 @@ import torch
 
 from .. import __version__
 from ..cache import cache_dir
-from .model_folder import load_causal_lm, written_aside
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +63,8 @@ def load_packed(path: str, given: str | None, quantization, dtype: torch.dtype):
 
 
 def _load_packed(path: str, given: str | None, quantization, dtype: torch.dtype):
+    from .model_folder import load_causal_lm, written_aside  # transformers: `packed_folder` alone stays light
+
     cached = packed_folder(path, dtype, quantization.modules_in_16bit)
     if cached is not None and (cached / "config.json").is_file():
         try:

@@ -11,6 +11,13 @@ NVFP4_BYTES_PER_WEIGHT = 0.5 + 1 / 16  # 4-bit codes + one e4m3 scale per 16 wei
 FP16_BYTES_PER_WEIGHT = 2.0
 
 
+def sixteen_bit_modules(precision_plan: Mapping[str, str] | None, protected: Iterable[str] | None) -> list[str]:
+    """The linears an adapter was trained with 16-bit, sorted: its precision plan's fp16 ones and AQLoRA's protected
+    ones (`PactConfig.sixteen_bit_modules`; read from `pact_config.json` where peft is not imported)."""
+    plan = {name for name, precision in (precision_plan or {}).items() if precision == "fp16"}
+    return sorted(plan | set(protected or ()))
+
+
 @dataclass
 class LayerSensitivity:
     """How much one frozen linear's NVFP4 weight moves the gradients, measured against its 16-bit weight.
