@@ -170,6 +170,9 @@ def chat_template(base: str):
     from jinja2.ext import loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+    if tuple(int(part) for part in jinja2.__version__.split(".")[:3] if part.isdigit()) < (3, 1, 6):
+        raise ValueError("jinja2 < 3.1.6 has known sandbox escapes")  # transformers refuses it too
+
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
