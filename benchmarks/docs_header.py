@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -77,3 +78,10 @@ def header(spec: Section, results: dict) -> str:
         lines.append("- machines and dates (a run resumed over sittings):")
         lines += [f"  - {', '.join(dates)}: {machine}" for machine, dates in ran]
     return "\n".join(lines)
+
+
+def plots(folder: Path, root: Path) -> str:
+    """The charts (.png, .svg) a benchmark wrote beside its results, embedded from docs/ (`root`: the repository)."""
+    found = sorted(p for p in folder.iterdir() if p.suffix in (".png", ".svg"))
+    rel = [p.relative_to(root).as_posix() for p in found]
+    return "\n".join(f"![{p.stem.replace('_', ' ')}](../{r})" for p, r in zip(found, rel))
