@@ -33,6 +33,20 @@ def test_every_section_names_its_command_machine_and_date():
         assert "AMX" in body and ("- date: 20" in body or "  - 20" in body), body[:400]
 
 
+def test_a_main_job_section_names_every_arm_its_results_ran():
+    """A section rendered by another section's function shows another table: the emulated-AVX2 main job once showed
+    the format table (its arms pact_finetune, peft_qlora, peft_lora_dup nowhere in it; a section that names its arms
+    otherwise lists them in its command's --arms)."""
+    for folder, path in write_docs.results_files().items():
+        results = json.loads(path.read_text())
+        if results.get("bench") != "main_job":
+            continue
+        spec = write_docs.SECTIONS[folder]
+        body = docs_header.header(spec, results) + spec.render(results)
+        missing = sorted({run["arm"] for run in results["runs"]} - set(re.findall(r"[a-z][a-z0-9_]+", body)))
+        assert not missing, f"section {folder} does not show arms {missing}"
+
+
 def test_a_stale_page_fails_the_check(tmp_path, monkeypatch, capsys):
     stale = tmp_path / "benchmarks.md"
     stale.write_text(write_docs.render().replace("PACT", "PACT, edited by hand", 1))
