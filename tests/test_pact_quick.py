@@ -163,6 +163,14 @@ def test_the_quick_path_steps_aside_where_it_cannot_answer(small_model, tagging,
     assert quick_run("generate", ["--model", str(small_model), "--adapter", str(dora), "hi"]) is None
     unpacked = shutil.copytree(small_model, tmp_path / "base")  # another checkpoint: no packed folder yet
     assert quick_run("generate", ["--model", str(unpacked), "--adapter", str(tagging), "hi"]) is None
+    tokenizer_config = small_model / "tokenizer_config.json"  # the base's own file (not in the packed key), restored
+    original = tokenizer_config.read_text()
+    try:
+        tokenizer_config.write_text(json.dumps({**json.loads(original), "add_bos_token": True}))
+        assert quick_run("generate", [*argv, "hi"]) is None  # transformers would rebuild its post-processor
+    finally:
+        tokenizer_config.write_text(original)
+    assert quick_run("generate", [*argv, "hi"]) == 0
     other = shutil.copytree(tagging, tmp_path / "other")
     (other / "adapter_model.safetensors").write_bytes(b"damaged")  # the full path says what is wrong
     assert quick_run("generate", ["--model", str(small_model), "--adapter", str(other), "hi"]) is None

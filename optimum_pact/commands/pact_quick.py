@@ -121,6 +121,18 @@ def load_quick(args) -> QuickPactModel | None:
     return _build(base, folder, scaling, sixteen, dtype_name, trained_on)
 
 
+def _tokenizer_as_saved(base: str) -> bool:
+    """Whether transformers tokenizes with tokenizer.json as saved: a tokenizer_config.json that sets add_bos_token,
+    add_eos_token or add_prefix_space has transformers rebuild its pre- or post-processor, which `tokenizers` alone
+    would not (those bases take the full path)."""
+    path = Path(base, "tokenizer_config.json")
+    try:
+        config = _json(path) if path.is_file() else {}
+    except (OSError, ValueError):
+        return False
+    return all(config.get(key) is None for key in ("add_bos_token", "add_eos_token", "add_prefix_space"))
+
+
 def _build(base, folder, scaling, sixteen, dtype_name, trained_on) -> QuickPactModel | None:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
@@ -131,7 +143,7 @@ def _build(base, folder, scaling, sixteen, dtype_name, trained_on) -> QuickPactM
     from .packed_cache import packed_folder
 
     packed = packed_folder(base, resolve_dtype(dtype_name or "auto", inference=True), sixteen)
-    if packed is None or not (packed / "config.json").is_file():
+    if packed is None or not (packed / "config.json").is_file() or not _tokenizer_as_saved(base):
         return None
     config = json.loads((packed / "config.json").read_text())
     if unsupported(config) is not None:
