@@ -25,7 +25,6 @@ from safetensors import safe_open
 from .backends import get_backend
 from .dataflow import FrozenLinear
 from .dataflow.overlap import LoraFrozenProduct
-from .nvfp4 import NVFP4Tensor
 
 ARCHITECTURES = ("llama", "qwen2")  # model types it runs (Qwen2's q/k/v biases are read where the folder has them)
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
@@ -45,6 +44,12 @@ def unsupported(config: dict) -> str | None:
     if _head_dim(config) > 256:
         return "head_dim over 256"
     return None
+
+
+def _require_supported(config: dict) -> None:
+    why = unsupported(config)
+    if why is not None:
+        raise ValueError(f"PackedDecoder does not run {why}")
 
 
 def _head_dim(config: dict) -> int:
@@ -75,9 +80,7 @@ class PackedDecoder:
     """The decoder of a packed folder (`from_folder`), an adapter added with `add_lora`, run by `greedy`."""
 
     def __init__(self, config: dict, tensors: dict[str, torch.Tensor], backend_name: str = "torch"):
-        why = unsupported(config)
-        if why is not None:
-            raise ValueError(f"PackedDecoder does not run {why}")
+        _require_supported(config)
         self.config, self.folder = config, None
         self.heads, self.kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
         self.head_dim, self.eps = _head_dim(config), config["rms_norm_eps"]
@@ -105,6 +108,7 @@ class PackedDecoder:
         """The decoder of the packed base saved in `folder` (config.json, *.safetensors), memory-mapped."""
         folder = Path(folder)
         config = json.loads((folder / "config.json").read_text())
+        _require_supported(config)  # before any tensor is mapped
         tensors = {}
         for file in sorted(folder.glob("*.safetensors")):
             with safe_open(file, "pt") as f:
@@ -194,18 +198,16 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def _frozen(tensors: dict, key: str, backend, dtype: torch.dtype) -> FrozenLinear:
-    weight, bias = tensors[f"{key}.weight"], tensors.get(f"{key}.bias")
+    """The FrozenLinear saved under `key`: packed (uint8 codes) or kept 16-bit, holding the mapped tensors themselves
+    (`assign`), checked by FrozenLinear's own state-dict loading."""
+    weight = tensors[f"{key}.weight"]
     nvfp4 = weight.dtype == torch.uint8
     n, k = weight.shape[0], weight.shape[1] * (2 if nvfp4 else 1)
-    precision = "nvfp4" if nvfp4 else "fp16"
-    layer = FrozenLinear(k, n, bias=bias is not None, backend=backend, dtype=dtype, device="meta",
-                         precision=precision, weight_dtype=weight.dtype if not nvfp4 else torch.float16)  # fmt: skip
-    if nvfp4:
-        layer.load_nvfp4(NVFP4Tensor(weight, tensors[f"{key}.weight_scale"], tensors[f"{key}.weight_scale_2"]))
-    else:
-        layer.weight = weight
-    if bias is not None:
-        layer.bias = torch.nn.Parameter(bias.to(dtype), requires_grad=False)
+    layer = FrozenLinear(k, n, bias=f"{key}.bias" in tensors, backend=backend, dtype=dtype, device="meta",
+                         precision="nvfp4" if nvfp4 else "fp16",
+                         weight_dtype=torch.float16 if nvfp4 else weight.dtype)  # fmt: skip
+    names = [*layer.layout(), *(["bias"] if layer.bias is not None else [])]
+    layer.load_state_dict({name: tensors[f"{key}.{name}"] for name in names}, assign=True)
     return layer
 
 

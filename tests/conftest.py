@@ -1,3 +1,4 @@
+import json
 import os
 import subprocess
 import sys
@@ -52,13 +53,13 @@ def train_lm(model, steps: int = 30, seed: int = 0) -> list[float]:
 def main_in_a_fresh_process(argv: list[str], modules: tuple[str, ...]) -> tuple[int, list[str], str, str]:
     """`pact ARGV` (cli.main) in a new interpreter: (its status, which of `modules` it imported, stdout, stderr)."""
     code = (
-        f"import sys\nfrom optimum_pact.commands.cli import main\nrc = main({argv!r})\n"
-        f"print(rc, sorted(m for m in {modules!r} if m in sys.modules))"
+        f"import json, sys\nfrom optimum_pact.commands.cli import main\nrc = main({argv!r})\n"
+        f"print(json.dumps([rc, sorted(m for m in {modules!r} if m in sys.modules)]))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    *out, last = done.stdout.strip().splitlines() or ["? []"]
-    rc, _, imported = last.partition(" ")
-    return (int(rc) if rc.lstrip("-").isdigit() else -1), eval(imported), "\n".join(out), done.stderr
+    *out, last = done.stdout.strip().splitlines() or ["[-1, []]"]
+    rc, imported = json.loads(last) if last.startswith("[") else (-1, [])
+    return rc, imported, "\n".join(out), done.stderr
 
 
 @pytest.fixture(params=["llama", "qwen2"])

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..cache import cache_dir
 from ..files import sha256_file
-from .data.trained_on import TrainedOn, prompt_input
+from .data.trained_on import TrainedOn, longest_answer_tokens, prompt_input
 from .default_model import recorded_base
 from .generate_options import adapter_folders, answer_or_chat, check_context, light_parser
 from .named_models import SMOLLM2, named_model
@@ -105,10 +105,7 @@ class QuickModel:
         return self.tokens(formatter(messages=prompt).prompt, add_bos=False)  # the template writes any BOS
 
     def max_answer_tokens(self) -> int | None:
-        record = self.trained_on
-        if record is None or not record.tags:
-            return None
-        return 1 + max(len(self.tokens(answer, False)) for answer in record.answers())
+        return longest_answer_tokens(self.trained_on, lambda text: len(self.tokens(text, False)))
 
     def answer(self, ids: list[int], args, out) -> str:
         """Decode after `ids` as `pact generate` does (greedy, or sampling), printing the text as it comes."""

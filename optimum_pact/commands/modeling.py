@@ -20,7 +20,7 @@ from peft_ext import PactConfig
 from ..dataflow import FrozenLinear
 from ..precision import resolve_dtype
 from ..quantizer import QUANT_METHOD, PactQuantizationConfig
-from .data.trained_on import TrainedOn, prompt_input
+from .data.trained_on import TrainedOn, longest_answer_tokens, prompt_input
 from .layer_precisions import LayerPrecisions
 from .model_folder import adapter_loading, check_adapter_folder, load_tokenizer, resolve_model
 from .packed_cache import load_packed
@@ -195,9 +195,7 @@ def _packed_checkpoint(path: str) -> bool:
 
 def max_answer_tokens(tokenizer, record: TrainedOn | None) -> int | None:
     """A tagging adapter's longest answer in tokens, its end of sequence included (None: no such bound)."""
-    if record is None or not record.tags:
-        return None
-    return 1 + max(len(tokenizer(answer, add_special_tokens=False)["input_ids"]) for answer in record.answers())
+    return longest_answer_tokens(record, lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]))
 
 
 def prompt_ids(tokenizer, record: TrainedOn | None, messages: list[dict] | str) -> torch.Tensor:

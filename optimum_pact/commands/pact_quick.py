@@ -11,13 +11,26 @@ before printing anything and the full path runs, packing the base for the next c
 
 from __future__ import annotations
 
+import datetime
 import json
 import sys
 from pathlib import Path
 
-from .data.trained_on import TrainedOn, prompt_input
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+
+from ..decoder import PackedDecoder
+from ..files import read_json_object
+from ..precision import resolve_dtype
+from ..precision.plan import sixteen_bit_modules
+from .data.trained_on import TrainedOn, longest_answer_tokens, prompt_input
 from .generate_options import adapter_folders, answer_or_chat, check_context, light_parser
 from .llama_quick import known_base
+from .packed_cache import packed_folder
 
 # adapter_config.json fields whose non-default value is a LoRA this path does not run (peft's own layers would)
 _PLAIN_LORA = {"peft_type": "LORA", "use_dora": False, "lora_bias": False, "bias": "none", "fan_in_fan_out": False}
@@ -26,9 +39,9 @@ _NONE = ("modules_to_save", "layer_replication", "trainable_token_indices", "tar
 
 
 def _json(path: Path) -> dict:
-    """A JSON object file's contents ({} for another JSON value); OSError / ValueError where unreadable."""
-    value = json.loads(Path(path).read_text())
-    return value if isinstance(value, dict) else {}
+    """The JSON object in `path` ({} where there is no such file); a ValueError where it cannot be read: the full path
+    reports it."""
+    return read_json_object(path, "the full path reports it") if Path(path).is_file() else {}
 
 
 def _lora_scaling(config: dict) -> float | None:
@@ -46,12 +59,11 @@ def _lora_scaling(config: dict) -> float | None:
 class QuickPactModel:
     """The packed base plus one adapter (or none), prompting and stopping as `PactModelForCausalLM` does."""
 
-    def __init__(self, decoder, tokenizer, base: str, trained_on: TrainedOn | None):
+    def __init__(self, decoder, tokenizer, base: str, trained_on: TrainedOn | None, tokenizer_config: dict):
         self.decoder, self.tokenizer, self.trained_on = decoder, tokenizer, trained_on
-        self.template, self.special = chat_template(base)
+        self.template, self.special = chat_template(base, tokenizer_config)
         self.has_template = self.template is not None
-        generation = Path(base, "generation_config.json")
-        eos = _json(generation).get("eos_token_id") if generation.is_file() else None
+        eos = _json(Path(base, "generation_config.json")).get("eos_token_id")
         eos = decoder.config.get("eos_token_id") if eos is None else eos
         self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.context = decoder.config.get("max_position_embeddings")
@@ -73,10 +85,9 @@ class QuickPactModel:
     def answer(self, ids: list[int], args, out) -> str:
         """Greedy decoding after `ids`, printed as it comes (a tag without its leading space), then a newline."""
         check_context(len(ids), args.max_new_tokens, self.context)
-        record, limit = self.trained_on, args.max_new_tokens
-        if record is not None and record.tags:  # a tag and its end of sequence, as `max_answer_tokens`
-            longest = max(len(self.tokenizer.encode(a, add_special_tokens=False).ids) for a in record.answers())
-            limit = min(limit, 1 + longest)
+        encode = self.tokenizer.encode
+        bound = longest_answer_tokens(self.trained_on, lambda text: len(encode(text, add_special_tokens=False).ids))
+        limit = args.max_new_tokens if bound is None else min(bound, args.max_new_tokens)
         new: list[int] = []
         shown = [""]
 
@@ -105,83 +116,58 @@ def load_quick(args) -> QuickPactModel | None:
     scaling, sixteen, dtype_name, trained_on = None, [], None, None
     if folder is not None:
         try:
-            config = _json(Path(folder, "adapter_config.json"))
-            pact = Path(folder, "pact_config.json")
-            pact = _json(pact) if pact.is_file() else {}
+            config = read_json_object(Path(folder, "adapter_config.json"), "the full path reports it")
+            pact = _json(Path(folder, "pact_config.json"))
             trained_on = TrainedOn.load(folder)
-        except (OSError, ValueError):
+        except ValueError:
             return None  # missing or damaged: the full path says what is wrong
         scaling = _lora_scaling(config)
         if scaling is None:
             return None
-        from ..precision.plan import sixteen_bit_modules
-
         sixteen = sixteen_bit_modules(pact.get("precision_plan"), pact.get("protected_modules"))
         dtype_name = pact.get("base_dtype")
     return _build(base, folder, scaling, sixteen, dtype_name, trained_on)
 
 
-def _tokenizer_as_saved(base: str) -> bool:
+def _tokenizer_as_saved(config: dict) -> bool:
     """Whether transformers tokenizes with tokenizer.json as saved: a tokenizer_config.json that sets add_bos_token,
     add_eos_token or add_prefix_space has transformers rebuild its pre- or post-processor, which `tokenizers` alone
     would not (those bases take the full path)."""
-    path = Path(base, "tokenizer_config.json")
-    try:
-        config = _json(path) if path.is_file() else {}
-    except (OSError, ValueError):
-        return False
     return all(config.get(key) is None for key in ("add_bos_token", "add_eos_token", "add_prefix_space"))
 
 
 def _build(base, folder, scaling, sixteen, dtype_name, trained_on) -> QuickPactModel | None:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-    from tokenizers import Tokenizer
-
-    from ..decoder import PackedDecoder, unsupported
-    from ..precision import resolve_dtype
-    from .packed_cache import packed_folder
-
     packed = packed_folder(base, resolve_dtype(dtype_name or "auto", inference=True), sixteen)
-    if packed is None or not (packed / "config.json").is_file() or not _tokenizer_as_saved(base):
+    if packed is None:
         return None
-    config = json.loads((packed / "config.json").read_text())
-    if unsupported(config) is not None:
-        return None
-    decoder = PackedDecoder.from_folder(packed)
-    if folder is not None:
-        try:
-            decoder.add_lora(load_file(str(Path(folder, "adapter_model.safetensors"))), scaling)
-        except (OSError, ValueError, SafetensorError):
-            return None  # the full path says what is wrong
     try:
-        return QuickPactModel(decoder, Tokenizer.from_file(str(Path(base, "tokenizer.json"))), base, trained_on)
-    except (OSError, ValueError, TypeError):
-        return None
+        tokenizer_config = _json(Path(base, "tokenizer_config.json"))
+        if not _tokenizer_as_saved(tokenizer_config):
+            return None
+        decoder = PackedDecoder.from_folder(packed)  # OSError: not packed yet; ValueError: an architecture it lacks
+        if folder is not None:
+            decoder.add_lora(load_file(str(Path(folder, "adapter_model.safetensors"))), scaling)
+        tokenizer = Tokenizer.from_file(str(Path(base, "tokenizer.json")))
+        return QuickPactModel(decoder, tokenizer, base, trained_on, tokenizer_config)
+    except (OSError, ValueError, TypeError, SafetensorError):
+        return None  # the full path says what is wrong
 
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
-def chat_template(base: str):
+def chat_template(base: str, config: dict):
     """The base's chat template compiled as transformers compiles it (a sandboxed jinja2 environment with
     trim_blocks, lstrip_blocks, loop controls and its `tojson`, `raise_exception` and `strftime_now`), and the
-    special tokens `apply_chat_template` passes it; (None, {}) where the base has none. A template this cannot
-    compile (one using transformers' `{% generation %}` tag) is a ValueError: the full path renders it."""
-    config = Path(base, "tokenizer_config.json")
-    config = _json(config) if config.is_file() else {}
+    special tokens `apply_chat_template` passes it (`config`: its tokenizer_config.json); (None, {}) where the base
+    has none. A template this cannot compile (one using transformers' `{% generation %}` tag) is a ValueError: the full
+    path renders it."""
     source = Path(base, "chat_template.jinja")
     source = source.read_text() if source.is_file() else config.get("chat_template")
     if not source:
         return None, {}
     if not isinstance(source, str):
         raise ValueError("several named chat templates")
-    import datetime
-
-    import jinja2
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     if tuple(int(part) for part in jinja2.__version__.split(".")[:3] if part.isdigit()) < (3, 1, 6):
         raise ValueError("jinja2 < 3.1.6 has known sandbox escapes")  # transformers refuses it too
 

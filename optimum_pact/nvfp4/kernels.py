@@ -152,12 +152,18 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
-def _native_weight(qdata: torch.Tensor, scale: torch.Tensor) -> tuple[ctypes.CDLL, torch.Tensor, torch.Tensor]:
-    """The loaded kernel and the packed weight as it takes it (CPU, rows with a contiguous last dimension), after
-    checking the shapes and dtypes; shared by every native entry point."""
+def _loaded() -> ctypes.CDLL:
+    """The loaded kernel; a RuntimeError where it cannot be built."""
     lib = _native()
     if lib is None:
         raise RuntimeError("the native NVFP4 kernel is not available")
+    return lib
+
+
+def _native_weight(qdata: torch.Tensor, scale: torch.Tensor) -> tuple[ctypes.CDLL, torch.Tensor, torch.Tensor]:
+    """The loaded kernel and the packed weight as it takes it (CPU, rows with a contiguous last dimension), after
+    checking the shapes and dtypes; shared by every native entry point."""
+    lib = _loaded()
     n, half_k = qdata.shape
     qdata, scale = _last_dim_contiguous(qdata), _last_dim_contiguous(scale)
     if scale.shape != (n, half_k * 2 // BLOCK_SIZE) or half_k % (BLOCK_SIZE // 2):
@@ -224,9 +230,7 @@ class NativeLinear:
             if not sixteen or qdata.dim() != 2 or qdata.shape[1] % 16 or not qdata.is_cpu:
                 shape = tuple(qdata.shape)
                 raise ValueError(f"a 16-bit weight is a CPU bf16 / fp16 [n, k], k % 16 == 0: {qdata.dtype} {shape}")
-            self._lib, weight = _native(), _last_dim_contiguous(qdata.detach())
-            if self._lib is None:
-                raise RuntimeError("the native NVFP4 kernel is unavailable")
+            self._lib, weight = _loaded(), _last_dim_contiguous(qdata.detach())
             self.n, self.k = weight.shape
         else:
             self._lib, qdata, scale = _native_weight(qdata, scale)
@@ -243,24 +247,21 @@ class NativeLinear:
                 raise ValueError(
                     f"LoRA A {tuple(a.shape)} / B {tuple(b.shape)} do not fit a weight of shape {(self.n, self.k)}"
                 )
-        if dense:
-            self._keep = (weight, a, b)  # the memory the arguments point into
-            self._args = _LinearArgs(
-                None, None, None, 0, 0, self.n, self.k,
-                a.data_ptr() if a is not None else None, b.data_ptr() if b is not None else None, rank,
-                1.0, float(scaling), int(scalar),
-                weight.data_ptr(), weight.stride(0), int(weight.dtype == torch.float16),
-            )  # fmt: skip
-            return
-        # fp32(fp32(e4m3) * scale_2) / 2 for every scale byte: the SIMD path's block factor (it multiplies 2 * E2M1)
-        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
-        block_scale = (codes * scale_2.float().reshape(())) * 0.5
-        self._keep = (qdata, scale, block_scale, a, b)  # the memory the arguments point into
+        if dense:  # the 16-bit weight instead of a packed one
+            packed, value_2, keep = (None, None, None, 0, 0), 1.0, (weight,)
+            dense_args = (weight.data_ptr(), weight.stride(0), int(weight.dtype == torch.float16))
+        else:
+            # fp32(fp32(e4m3) * scale_2) / 2 for every scale byte: the SIMD path's block factor (it multiplies
+            # 2 * E2M1)
+            codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+            block_scale = (codes * scale_2.float().reshape(())) * 0.5
+            packed = (qdata.data_ptr(), scale.data_ptr(), block_scale.data_ptr(), qdata.stride(0), scale.stride(0))
+            value_2, keep, dense_args = float(scale_2), (qdata, scale, block_scale), (None, 0, 0)
+        self._keep = (*keep, a, b)  # the memory the arguments point into
         self._args = _LinearArgs(
-            qdata.data_ptr(), scale.data_ptr(), block_scale.data_ptr(), qdata.stride(0), scale.stride(0),
-            self.n, self.k,
+            *packed, self.n, self.k,
             a.data_ptr() if a is not None else None, b.data_ptr() if b is not None else None, rank,
-            float(scale_2), float(scaling), int(scalar), None, 0, 0,
+            value_2, float(scaling), int(scalar), *dense_args,
         )  # fmt: skip
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ adapters continue the text as given.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -71,6 +72,14 @@ class TrainedOn:
         return f"this adapter was trained on {self.format.replace('_', '/')} data"
 
 
+def longest_answer_tokens(record: TrainedOn | None, count: Callable[[str], int]) -> int | None:
+    """A tagging adapter's longest answer in tokens, its end of sequence included (`count(text)`: the engine's token
+    count of a text without special tokens); None where there is no such bound."""
+    if record is None or not record.tags:
+        return None
+    return 1 + max(count(answer) for answer in record.answers())
+
+
 def prompt_input(record: TrainedOn | None, messages: list[dict] | str, has_template: bool) -> str | list[dict]:
     """What an adapter that learned `record` is prompted with, for any tokenizer: text to tokenize as is (a tagging
     adapter's prompt around the text, in a chat around the last message alone; plain text; turns joined where the
@@ -87,4 +96,4 @@ def prompt_input(record: TrainedOn | None, messages: list[dict] | str, has_templ
     return messages if has_template else "\n".join(m["content"] for m in messages)
 
 
-__all__ = ["DATA_RECORD_NAME", "TrainedOn", "prompt_input"]
+__all__ = ["DATA_RECORD_NAME", "TrainedOn", "longest_answer_tokens", "prompt_input"]
