@@ -4,7 +4,8 @@
 took 4-5 s of a 7-8 s call on 2 cores (issue 50). `PackedDecoder` reads the packed folder PACT caches for the base
 (`commands/packed_cache.py`: `save_pretrained`'s codes, scales, 16-bit linears and the rest, memory-mapped) and runs
 the Llama / Qwen2 decoder as transformers computes it, op for op: the same RMSNorm, rotary tables, sdpa call (no mask:
-one unpadded sequence), KV cache concatenation, the output head on the last position only, and each linear through
+one unpadded sequence), KV cache concatenation, the output head on the last position only (through
+`head.head_product`, as a PACT-loaded model's head), and each linear through
 the same products as `PactLoraLinear` (the backend's fused decoding product where it takes the rows, else
 `LoraFrozenProduct`). Its logits are the full path's bit for bit (tests/test_pact_quick.py).
 
@@ -25,6 +26,7 @@ from safetensors import safe_open
 from .backends import get_backend
 from .dataflow import FrozenLinear
 from .dataflow.overlap import LoraFrozenProduct
+from .head import head_product
 
 ARCHITECTURES = ("llama", "qwen2")  # model types it runs (Qwen2's q/k/v biases are read where the folder has them)
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
@@ -173,7 +175,7 @@ class PackedDecoder:
             h = h + self._attention(i, self._rms(h, pre), cos, sin, cache)
             h = h + self._mlp(i, self._rms(h, post))
         last = self._rms(h, self.norm)[:, -1:, :]
-        return F.linear(last.view(last.shape), self.head)[:, -1, :].to(copy=True, dtype=torch.float32)
+        return head_product(last.view(last.shape), self.head, self)[:, -1, :].to(copy=True, dtype=torch.float32)
 
     def greedy(self, ids: list[int], max_new_tokens: int, eos: set[int], on_token=None) -> list[int]:
         """Greedy tokens after `ids`, at most `max_new_tokens`, the end of sequence included when reached;

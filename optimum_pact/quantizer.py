@@ -58,7 +58,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from .backends import Backend, get_backend
 from .backends.options import check_backend_choice
 from .dataflow.linear import PACKED_NAMES, FrozenLinear
-from .head import plain_head_input
+from .head import prepare_head
 from .nvfp4 import BLOCK_SIZE, quantize
 
 logger = logging.getLogger(__name__)
@@ -423,7 +423,7 @@ class PactHfQuantizer(HfQuantizer):
                 layer.load_nvfp4(layer.nvfp4)  # drops any backend handle
             else:
                 layer.release_handle()
-        return plain_head_input(model)  # generation's prompt logits off torch's slow strided path (head.py)
+        return prepare_head(model)  # plain strides, and decoding's rows in one native pass (head.py)
 
     def get_quantize_ops(self) -> PactQuantize:
         return PactQuantize(self)

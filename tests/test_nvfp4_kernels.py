@@ -311,14 +311,15 @@ def _assert_fused(got, x, w, lora) -> None:
 @needs_native
 @pytest.mark.parametrize("scalar", [False, True])
 @pytest.mark.parametrize(("rows", "n", "k"), [(1, 80, 96), (3, 1536, 576), (8, 64, 4864), (2, 40, 112), (1, 8, 48)])
-@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rank", [0, 8])
-def test_fused_linear_on_a_16bit_weight_equals_the_reference_up_to_fp32_summation_order(
+def test_fused_linear_on_a_dense_weight_equals_the_reference_up_to_fp32_summation_order(
     scalar, rows, n, k, wdtype, dtype, rank
 ):
-    """A layer kept 16-bit decodes through the same kernel: its row widened to fp32, fp32 sums, the adapter's term,
-    one rounding. A wrong widening (fp16 read as bf16) or a lost term is far outside the bound."""
+    """A layer kept 16-bit, or an fp32 output head, decodes through the same kernel: its row widened to fp32 (16-bit),
+    fp32 sums, the adapter's term, one rounding. A wrong widening (fp16 read as bf16, an fp32 row read as 16-bit
+    halves) or a lost term is far outside the bound."""
     from optimum_pact.nvfp4.kernels import NativeLinear
 
     torch.manual_seed(rows + n)
@@ -326,8 +327,8 @@ def test_fused_linear_on_a_16bit_weight_equals_the_reference_up_to_fp32_summatio
     x = torch.randn(rows, k).to(dtype)
     lora = _lora(rank, n, k)
     _assert_fused(NativeLinear(w, lora=lora, scalar=scalar)(x), x, w, lora)
-    with pytest.raises(ValueError, match="16-bit weight"):
-        NativeLinear(w.float())
+    with pytest.raises(ValueError, match="dense weight"):
+        NativeLinear(w.double())
 
 
 @pytest.fixture

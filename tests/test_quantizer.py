@@ -320,3 +320,32 @@ def test_the_output_head_gets_its_input_with_plain_strides(checkpoint):
     hidden = model.config.hidden_size
     assert seen[0] == (hidden, hidden, 1)  # not (7 * hidden, hidden, 1)
     torch.testing.assert_close(last, full[:, -1:])
+
+
+def test_the_output_head_decodes_through_the_native_kernel(checkpoint, monkeypatch):
+    """Decoding's one row goes through `head_product` (the native kernel's dense mode) with the head's own weight: the
+    head stays an nn.Linear, its logits are torch's within fp32 summation order; many rows and training keep torch's
+    product."""
+    from optimum_pact.nvfp4.kernels import NativeLinear
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, quantization_config=PactQuantizationConfig())
+    weight = model.lm_head.weight
+    assert type(model.lm_head) is nn.Linear
+    head_rows = []
+    real = NativeLinear.run
+
+    def record(self, x):
+        if self._keep[0].data_ptr() == weight.data_ptr():
+            head_rows.append(x.shape)
+        return real(self, x)
+
+    monkeypatch.setattr(NativeLinear, "run", record)
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(ids).logits  # 12 rows, more than FUSED_MAX_ROWS: torch's product
+        assert head_rows == []
+        last = model(ids, logits_to_keep=1).logits
+    assert head_rows == [(1, 1, model.config.hidden_size)]
+    torch.testing.assert_close(last, full[:, -1:])
+    model(ids, logits_to_keep=1).logits.sum().backward()  # grad mode: torch's product, gradients flow
+    assert head_rows == [(1, 1, model.config.hidden_size)] and weight.grad is not None

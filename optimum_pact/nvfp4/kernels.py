@@ -30,6 +30,7 @@ _SOURCE = Path(__file__).parent / "csrc" / "dequant.c"
 # -ffp-contract=off: no fused multiply-adds; without -ffast-math denormals are kept, as torch keeps them.
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-ffp-contract=off")
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_DENSE_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # csrc/dequant.c's DENSE_BF16, _F16, _F32
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _failed = False
@@ -54,7 +55,7 @@ class _LinearArgs(ctypes.Structure):
         ("scalar", ctypes.c_int32),
         ("dense", ctypes.c_void_p),
         ("d_stride", ctypes.c_int64),
-        ("dense_f16", ctypes.c_int32),
+        ("dense_kind", ctypes.c_int32),
     ]
 
 
@@ -202,8 +203,8 @@ def dequantize_native(
 
 
 class NativeLinear:
-    """A packed weight (or a 16-bit one), and optionally one LoRA adapter, bound once for the fused product of few
-    rows (decoding).
+    """A packed weight (or a dense one: 16-bit, or an fp32 output head), and optionally one LoRA adapter, bound once
+    for the fused product of few rows (decoding).
 
     Calling it with `x [..., k]` gives `x @ deq(W).T` (+ `scaling * (x @ A.T) @ B.T` with `lora=(A [r, k], B [n, r],
     scaling)`), reading the packed weight directly: no dequantized weight is written. Sums run in fp32 and the result
@@ -222,14 +223,15 @@ class NativeLinear:
         lora: tuple[torch.Tensor, torch.Tensor, float] | None = None,
         scalar: bool = False,
     ):
-        """`qdata`, `scale`, `scale_2`: a packed weight; or `qdata` a 16-bit weight [n, k] (bf16 or fp16, a layer
-        kept 16-bit) with `scale` and `scale_2` None, read as it is (widened to fp32, exact)."""
+        """`qdata`, `scale`, `scale_2`: a packed weight; or `qdata` a dense weight [n, k] with `scale` and `scale_2`
+        None, read as it is: bf16 or fp16 (a layer kept 16-bit; widened to fp32, exact), or fp32 (an output head)."""
         dense = scale is None
         if dense:
-            sixteen = qdata.dtype in (torch.bfloat16, torch.float16)
-            if not sixteen or qdata.dim() != 2 or qdata.shape[1] % 16 or not qdata.is_cpu:
+            if qdata.dtype not in _DENSE_KINDS or qdata.dim() != 2 or qdata.shape[1] % 16 or not qdata.is_cpu:
                 shape = tuple(qdata.shape)
-                raise ValueError(f"a 16-bit weight is a CPU bf16 / fp16 [n, k], k % 16 == 0: {qdata.dtype} {shape}")
+                raise ValueError(
+                    f"a dense weight is a CPU bf16 / fp16 / fp32 [n, k] with k a multiple of 16: {qdata.dtype} {shape}"
+                )
             self._lib, weight = _loaded(), _last_dim_contiguous(qdata.detach())
             self.n, self.k = weight.shape
         else:
@@ -247,9 +249,9 @@ class NativeLinear:
                 raise ValueError(
                     f"LoRA A {tuple(a.shape)} / B {tuple(b.shape)} do not fit a weight of shape {(self.n, self.k)}"
                 )
-        if dense:  # the 16-bit weight instead of a packed one
+        if dense:  # the dense weight instead of a packed one
             packed, value_2, keep = (None, None, None, 0, 0), 1.0, (weight,)
-            dense_args = (weight.data_ptr(), weight.stride(0), int(weight.dtype == torch.float16))
+            dense_args = (weight.data_ptr(), weight.stride(0), _DENSE_KINDS[weight.dtype])
         else:
             # fp32(fp32(e4m3) * scale_2) / 2 for every scale byte: the SIMD path's block factor (it multiplies
             # 2 * E2M1)
@@ -276,7 +278,7 @@ class NativeLinear:
         giving [..., n]: the leading dimensions are kept, so a decoding step's [1, 1, k] needs no reshape (each
         costs about as much as the checks)."""
         x = x.contiguous()  # read through its pointer: no autograd here
-        out = torch.empty(x.shape[:-1] + (self.n,), dtype=x.dtype)
+        out = torch.empty(*x.shape[:-1], self.n, dtype=x.dtype)  # ints: a torch.Size argument took 3-5 us more
         if out.numel() == 0:
             return out
         status = self._lib.pact_nvfp4_linear(

@@ -195,9 +195,9 @@ typedef struct {
     const float *sc, *xp;     /* AVX2 fused product: block scales fp32(e4m3 * scale_2) / 2, x reordered (dot_avx2) */
     const float *xa, *lora_b; /* optional LoRA term: xa = scaling * x @ A.T [m, rank], lora_b = B [n, rank] */
     int64_t rank;
-    const uint16_t *dense; /* a 16-bit weight [n, k] (row stride d_stride) instead of the packed one: bf16, or fp16 */
+    const void *dense; /* a dense weight [n, k] (row stride d_stride) instead of the packed one, of kind dense_kind */
     int64_t d_stride;
-    int dense_f16;
+    int dense_kind; /* DENSE_BF16, DENSE_F16 or DENSE_F32 */
     atomic_llong next; /* the next chunk to claim */
 } job_t;
 
@@ -324,13 +324,15 @@ static __attribute__((noinline)) float dot_avx2(const uint8_t *q, const uint8_t 
 }
 #endif
 
-/* sum_t w[t] * x[t] for a 16-bit weight row (bf16, or fp16) widened to fp32 (exact): SIMD in four accumulators of
- * lanes (loads in flight while adds wait), summed at the end; the portable code in 16 lanes (k is a multiple of 16). */
+/* sum_t w[t] * x[t] for a dense weight row: 16-bit (bf16, or fp16) widened to fp32 (exact), or fp32 (an output head):
+ * SIMD in four accumulators of lanes (loads in flight while adds wait), summed at the end; the portable code in 16
+ * lanes (k is a multiple of 16). */
+enum { DENSE_BF16 = 0, DENSE_F16 = 1, DENSE_F32 = 2 };
 #if defined(PACT_AVX512)
 #define BF16X16(p) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #define F16X16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
-#define DENSE_DOT(name, WIDEN)                                                                                        \
-    static float name(const uint16_t *w, const float *x, int64_t k) {                                                \
+#define DENSE_DOT(name, T, WIDEN)                                                                                        \
+    static float name(const T *w, const float *x, int64_t k) {                                                \
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                                   \
         int64_t t = 0;                                                                                                \
         for (; t + 64 <= k; t += 64) {                                                                                \
@@ -342,14 +344,16 @@ static __attribute__((noinline)) float dot_avx2(const uint8_t *q, const uint8_t 
         for (; t < k; t += 16) a0 = _mm512_add_ps(a0, _mm512_mul_ps(WIDEN(w + t), _mm512_loadu_ps(x + t)));          \
         return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));                    \
     }
-DENSE_DOT(dense_dot_bf16, BF16X16)
-DENSE_DOT(dense_dot_f16, F16X16)
+#define F32X16(p) _mm512_loadu_ps(p)
+DENSE_DOT(dense_dot_bf16, uint16_t, BF16X16)
+DENSE_DOT(dense_dot_f16, uint16_t, F16X16)
+DENSE_DOT(dense_dot_f32, float, F32X16)
 #define PACT_DENSE_SIMD 1
 #elif defined(PACT_AVX2) && defined(__F16C__)
 #define BF16X8(p) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
 #define F16X8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
-#define DENSE_DOT(name, WIDEN)                                                                                        \
-    static float name(const uint16_t *w, const float *x, int64_t k) {                                                \
+#define DENSE_DOT(name, T, WIDEN)                                                                                        \
+    static float name(const T *w, const float *x, int64_t k) {                                                \
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                                   \
         int64_t t = 0;                                                                                                \
         for (; t + 32 <= k; t += 32) {                                                                                \
@@ -364,27 +368,33 @@ DENSE_DOT(dense_dot_f16, F16X16)
         v = _mm_add_ps(v, _mm_movehl_ps(v, v));                                                                       \
         return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));                                                      \
     }
-DENSE_DOT(dense_dot_bf16, BF16X8)
-DENSE_DOT(dense_dot_f16, F16X8)
+#define F32X8(p) _mm256_loadu_ps(p)
+DENSE_DOT(dense_dot_bf16, uint16_t, BF16X8)
+DENSE_DOT(dense_dot_f16, uint16_t, F16X8)
+DENSE_DOT(dense_dot_f32, float, F32X8)
 #define PACT_DENSE_SIMD 1
 #endif
 
-static float dense_dot(const uint16_t *w, const float *x, int64_t k, int f16, int scalar) {
+static float dense_dot(const void *w, const float *x, int64_t k, int kind, int scalar) {
 #ifdef PACT_DENSE_SIMD
-    if (!scalar) return f16 ? dense_dot_f16(w, x, k) : dense_dot_bf16(w, x, k);
+    if (!scalar && kind == DENSE_F32) return dense_dot_f32((const float *)w, x, k);
+    if (!scalar) return kind == DENSE_F16 ? dense_dot_f16(w, x, k) : dense_dot_bf16(w, x, k);
 #endif
+    if (kind == DENSE_F32) return dot((const float *)w, x, k); /* 16 lanes, as below */
+    const uint16_t *h = (const uint16_t *)w;
     float acc[16] = {0}, sum = 0.0f;
     for (int64_t t = 0; t < k; t += 16)
-        for (int c = 0; c < 16; c++) acc[c] += (f16 ? f16_to_f32(w[t + c]) : bf16_to_f32(w[t + c])) * x[t + c];
+        for (int c = 0; c < 16; c++)
+            acc[c] += (kind == DENSE_F16 ? f16_to_f32(h[t + c]) : bf16_to_f32(h[t + c])) * x[t + c];
     for (int c = 0; c < 16; c++) sum += acc[c];
     return sum;
 }
 
-/* y[i, r] for a 16-bit weight row: dense_dot, the LoRA term added, one rounding. */
+/* y[i, r] for a dense weight row: dense_dot, the LoRA term added, one rounding. */
 static void dense_row(const job_t *j, int64_t r) {
-    const uint16_t *w = j->dense + r * j->d_stride;
+    const void *w = (const char *)j->dense + r * j->d_stride * (j->dense_kind == DENSE_F32 ? 4 : 2);
     for (int64_t i = 0; i < j->m; i++) {
-        float sum = dense_dot(w, j->x + i * j->k, j->k, j->dense_f16, j->scalar);
+        float sum = dense_dot(w, j->x + i * j->k, j->k, j->dense_kind, j->scalar);
         if (j->lora_b != NULL) sum += dot(j->xa + i * j->rank, j->lora_b + r * j->rank, j->rank);
         store(j->y, i * j->n + r, sum, j->dtype);
     }
@@ -591,15 +601,15 @@ typedef struct {
     int64_t rank;
     float scale_2, scaling;
     int32_t scalar; /* != 0: the portable (non-SIMD) code, for tests */
-    const uint16_t *dense; /* != NULL: a 16-bit weight [n, k] with row stride d_stride instead of qdata / scale */
+    const void *dense; /* != NULL: a dense weight [n, k] with row stride d_stride instead of qdata / scale */
     int64_t d_stride;
-    int32_t dense_f16; /* the 16-bit weight is fp16 (else bf16) */
+    int32_t dense_kind; /* its dtype: 0 bf16, 1 fp16 (a layer kept 16-bit), 2 fp32 (an output head) */
 } pact_linear_t;
 
 /* The fused product for few rows (decoding): y [m, n] = x [m, k] @ deq(W).T, W read packed and never dequantized
  * to memory, sums in fp32. x and y are contiguous, in `dtype` (0 fp32, 1 bf16, 2 fp16; y rounded to nearest even).
  * With an adapter, the LoRA term of the same rows is added before the rounding: y += scaling * (x @ A.T) @ B.T.
- * With `dense` set, W is that 16-bit weight instead (a layer kept 16-bit), read the same way.
+ * With `dense` set, W is that dense weight instead (a layer kept 16-bit, an output head), read the same way.
  * Returns 0, -1 on bad arguments, -2 out of memory. */
 int pact_nvfp4_linear(const pact_linear_t *w, const void *x, int64_t m, void *y, int dtype, int nthreads) {
     const uint8_t *qdata = w->qdata, *scale = w->scale;
@@ -608,6 +618,7 @@ int pact_nvfp4_linear(const pact_linear_t *w, const void *x, int64_t m, void *y,
     const int scalar = w->scalar;
     float t32[256 * 16] __attribute__((aligned(64))), sc[256];
     if (k <= 0 || k % 16 || n < 0 || m < 1 || nthreads < 1 || dtype < 0 || dtype > 2) return -1;
+    if (w->dense != NULL && (w->dense_kind < DENSE_BF16 || w->dense_kind > DENSE_F32)) return -1;
     if (lora_b != NULL && (lora_a == NULL || rank < 1)) return -1;
     int reorder = 0; /* the AVX2 path reads x reordered per block and the block scales, not the value table */
 #ifdef PACT_AVX2
@@ -649,7 +660,7 @@ int pact_nvfp4_linear(const pact_linear_t *w, const void *x, int64_t m, void *y,
     j.qdata = qdata, j.scale = scale, j.table = t32, j.q_stride = q_stride, j.s_stride = s_stride;
     j.n = n, j.k = k, j.dtype = dtype, j.scalar = scalar, j.x = xf, j.y = y, j.m = m;
     j.xa = xa, j.lora_b = lora_b, j.rank = rank, j.sc = w->block_scale, j.xp = xp;
-    j.dense = w->dense, j.d_stride = w->d_stride, j.dense_f16 = w->dense_f16;
+    j.dense = w->dense, j.d_stride = w->d_stride, j.dense_kind = w->dense_kind;
     j.chunk = 64; /* rows of W a thread claims at a time */
     j.nchunks = (n + j.chunk - 1) / j.chunk;
     atomic_init(&j.next, 0);
