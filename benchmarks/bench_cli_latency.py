@@ -59,6 +59,24 @@ def timed(argv: list[str], stdin: str | None) -> tuple[float, str]:
     return seconds, next((line for line in reversed(answers) if line), "")
 
 
+def markdown_table(results: dict) -> str:
+    """The results as docs/benchmarks.md shows them (benchmarks/write_docs.py)."""
+    lines = [
+        f'`pact` start to exit after the answer, {results["rounds"]} rounds, prompt "{results["prompt"]}" (chat: '
+        "the same line piped in, its first answer).",
+        "",
+        "| command | median (s) | min | max | target | answer |",
+        "|---|---|---|---|---|---|",
+    ]
+    for arm, figures in results["summary"].items():
+        target = results["targets"].get(arm, {})
+        bound = f"{target['target']} s: {'met' if target['met'] else 'missed'}" if target else "-"
+        answer = results["answers"].get(arm, "")
+        lines.append(f"| `{arm}` | {figures['median_s']:.2f} | {figures['min_s']:.2f} | {figures['max_s']:.2f} | "
+                     f"{bound} | {answer} |")  # fmt: skip
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--adapter", required=True, help="a main-job adapter folder (e.g. a run's OUTPUT/adapter)")

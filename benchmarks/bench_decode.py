@@ -25,15 +25,15 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import platform
 import shutil
 import statistics
 import tempfile
 import time
+from datetime import date
 from pathlib import Path
 
 import torch
-from common import cpu_model, llama_cpp_arm  # lscpu's model, AMX, vector width (one copy); llama.cpp's arm
+from common import cpu_model, llama_cpp_arm, machine  # lscpu's model, AMX, vector width; llama.cpp's arm
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
 
@@ -107,6 +107,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--adapter", help="an adapter folder on the default model (default: a new r=8 all-linear one)")
+    parser.add_argument("--output", help="also write the JSON line here, for docs/benchmarks.md (write_docs.py)")
     args = parser.parse_args()
     threads = torch.get_num_threads()
     base = ensure_default_model()
@@ -163,38 +164,37 @@ def main() -> None:
         ratio["pact_quick/llama_cpp"] = med["pact_quick"] / med["llama_cpp"]
         ratio["nvfp4_gguf/q4_1_gguf"] = med["llama_cpp_nvfp4"] / med["llama_cpp"]
         ratio["nvfp4_gguf/pact"] = med["llama_cpp_nvfp4"] / med["pact"]
-    print(
-        json.dumps(
-            {
-                "bench": "decode",
-                "cpu": cpu_model(),
-                "machine": platform.machine(),
-                "threads": threads,
-                "pact_dtype": str(pact.model.dtype).removeprefix("torch."),
-                "adapter": str(args.adapter or "r=8 all-linear, random B"),
-                "sixteen_bit_linears": len(pact.model.peft_config["default"].sixteen_bit_modules()),
-                "prompt_tokens": args.prompt_tokens,
-                "new_tokens": args.new_tokens,
-                "rounds": args.rounds,
-                "tokens_per_s_median": {k: round(v, 2) for k, v in med.items()},
-                "tokens_per_s_all": {k: [round(v, 2) for v in vs] for k, vs in tps.items()},
-                "ratios": {k: round(v, 3) for k, v in ratio.items()},
-                "pact_ms_per_token": parts,
-                "sizes_mb": {k: round(v / 1e6, 1) for k, v in sizes.items()},
-                "llama_cpp": "measured" if "llama_cpp" in med else "not installed (pip install optimum-pact[llama])",
-                "targets": {
-                    "pact_ge_bf16": ratio["pact/bf16"] >= 1.0,
-                    "pact_quick_ge_1.5_best_transformers": ratio["pact_quick/best_transformers"] >= 1.5,
-                    "pact_quick_ge_half_llama_cpp": (
-                        ratio["pact_quick/llama_cpp"] >= 0.5 if "llama_cpp" in med else None
-                    ),
-                    "pact_ge_half_llama_cpp": ratio["pact/llama_cpp"] >= 0.5 if "llama_cpp" in med else None,
-                    "nvfp4_gguf_ge_0.9_q4_1": ratio["nvfp4_gguf/q4_1_gguf"] >= 0.9 if "llama_cpp" in med else None,
-                    "nvfp4_gguf_ge_3_pact": ratio["nvfp4_gguf/pact"] >= 3.0 if "llama_cpp" in med else None,
-                },
-            }
-        )
-    )
+    results = {
+        "bench": "decode",
+        "date": date.today().isoformat(),
+        "cpu": cpu_model(),
+        "machine": machine(),
+        "threads": threads,
+        "pact_dtype": str(pact.model.dtype).removeprefix("torch."),
+        "adapter": str(args.adapter or "r=8 all-linear, random B"),
+        "sixteen_bit_linears": len(pact.model.peft_config["default"].sixteen_bit_modules()),
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens,
+        "rounds": args.rounds,
+        "tokens_per_s_median": {k: round(v, 2) for k, v in med.items()},
+        "tokens_per_s_all": {k: [round(v, 2) for v in vs] for k, vs in tps.items()},
+        "ratios": {k: round(v, 3) for k, v in ratio.items()},
+        "pact_ms_per_token": parts,
+        "sizes_mb": {k: round(v / 1e6, 1) for k, v in sizes.items()},
+        "llama_cpp": "measured" if "llama_cpp" in med else "not installed (pip install optimum-pact[llama])",
+        "targets": {
+            "pact_ge_bf16": ratio["pact/bf16"] >= 1.0,
+            "pact_quick_ge_1.5_best_transformers": ratio["pact_quick/best_transformers"] >= 1.5,
+            "pact_quick_ge_half_llama_cpp": (ratio["pact_quick/llama_cpp"] >= 0.5 if "llama_cpp" in med else None),
+            "pact_ge_half_llama_cpp": ratio["pact/llama_cpp"] >= 0.5 if "llama_cpp" in med else None,
+            "nvfp4_gguf_ge_0.9_q4_1": ratio["nvfp4_gguf/q4_1_gguf"] >= 0.9 if "llama_cpp" in med else None,
+            "nvfp4_gguf_ge_3_pact": ratio["nvfp4_gguf/pact"] >= 3.0 if "llama_cpp" in med else None,
+        },
+    }
+    print(json.dumps(results))
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(results, indent=1) + "\n")
     shutil.rmtree(exported, ignore_errors=True)
 
 

@@ -1,5 +1,5 @@
-"""What docs/benchmarks.md writes above every section (benchmarks/write_docs.py): the heading, the command, and the
-machine and date the results file recorded."""
+"""The sections of docs/benchmarks.md (benchmarks/write_docs.py): how one is registered, and what is written above
+each: the heading, the command, and the machine and date the results file recorded."""
 
 from __future__ import annotations
 
@@ -16,6 +16,19 @@ class Section:
     render: Callable[[dict], str]  # results -> markdown body
     note: str = ""  # how the command was run, where one line of flags does not say it all
     date_if_unrecorded: str | None = None  # for results files written before their script recorded a date
+
+
+SECTIONS: dict[str, Section] = {}  # in the order the page shows them
+
+
+def section(folder: str, title: str, command: str, note: str = "", date_if_unrecorded: str | None = None):
+    """Register `render(results) -> markdown` as the section of benchmarks/results/<folder>/results.json."""
+
+    def register(render: Callable[[dict], str]) -> Callable[[dict], str]:
+        SECTIONS[folder] = Section(folder, title, command, render, note, date_if_unrecorded)
+        return render
+
+    return register
 
 
 # ---- what a results file recorded about where and when it ran ----

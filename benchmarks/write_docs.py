@@ -15,31 +15,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import bench_cli_latency  # noqa: E402
 import bench_main_job  # noqa: E402  (its --table prints markdown_table)
 import personalization_report as report  # noqa: E402  (eval_personalization.py --table prints its markdown_table)
 import sweep_main_job  # noqa: E402  (its --table prints markdown_table)
-from docs_header import Section, header, plots  # noqa: E402
+from docs_aqlora import aqlora_table  # noqa: E402
+from docs_header import SECTIONS, header, plots, section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 OUTPUT = ROOT / "docs" / "benchmarks.md"
-
-
-SECTIONS: dict[str, Section] = {}
-
-
-def section(folder: str, title: str, command: str, note: str = "", date_if_unrecorded: str | None = None):
-    """Register `render(results) -> markdown` as the section of benchmarks/results/<folder>/results.json."""
-
-    def register(render: Callable[[dict], str]) -> Callable[[dict], str]:
-        SECTIONS[folder] = Section(folder, title, command, render, note, date_if_unrecorded)
-        return render
-
-    return register
 
 
 # ---- the sections: one small function per results file, in the order the page shows them ----
@@ -120,6 +108,14 @@ def main_job_format(results: dict) -> str:
     return "\n".join(lines)
 
 
+@section(
+    "main_job_avx2_real",
+    "The main job against stock peft on a real AVX2-only CPU (fp32), five seeds",
+    "python benchmarks/bench_main_job.py --dtype float32 --seeds 0 1 2 3 4 --arms peft_lora,pact_finetune,"
+    "peft_lora_dup --output benchmarks/results/main_job_avx2_real/results.json",
+    note="not an emulation: this AMD EPYC has AVX2 and no AVX-512 (lscpu's flags), so torch and PACT's kernel ran "
+    "their AVX2 code as a laptop without AVX-512 does; seed 0 ran first, seeds 1-4 with --resume, each run alone",
+)
 @section(
     "main_job_avx2_epyc",
     "The main job against stock peft, emulated AVX2-only CPU (fp32), five seeds on the AMD EPYC",
@@ -384,6 +380,14 @@ def memory_large(results: dict) -> str:
     "named model, recorded in the adapter) and packed base cached and, for --engine llama.cpp, its GGUF",
 )
 @section(
+    "cli_latency_avx2",
+    "How long an answer takes on an AVX2-only CPU (fp32, as the main job trains there)",
+    "python benchmarks/bench_cli_latency.py --adapter pact-output/adapter "
+    "--output benchmarks/results/cli_latency_avx2/results.json",
+    note="as in the section below, on a CPU without AVX-512 or bf16 arithmetic: the adapter was trained in fp32 and "
+    "answers in fp32",
+)
+@section(
     "cli_latency",
     "How long an answer takes: the README's use commands as whole processes",
     "python benchmarks/bench_cli_latency.py --adapter pact-output/adapter",
@@ -391,20 +395,25 @@ def memory_large(results: dict) -> str:
     "each command a fresh process, the commands in turn",
 )
 def cli_latency(results: dict) -> str:
-    lines = [
-        f'`pact` start to exit after the answer, {results["rounds"]} rounds, prompt "{results["prompt"]}" (chat: '
-        "the same line piped in, its first answer).",
-        "",
-        "| command | median (s) | min | max | target | answer |",
-        "|---|---|---|---|---|---|",
-    ]
-    for arm, figures in results["summary"].items():
-        target = results["targets"].get(arm, {})
-        bound = f"{target['target']} s: {'met' if target['met'] else 'missed'}" if target else "-"
-        answer = results["answers"].get(arm, "")
-        lines.append(f"| `{arm}` | {figures['median_s']:.2f} | {figures['min_s']:.2f} | {figures['max_s']:.2f} | "
-                     f"{bound} | {answer} |")  # fmt: skip
-    return "\n".join(lines)
+    return bench_cli_latency.markdown_table(results)
+
+
+@section(
+    "decode_avx2",
+    "Decoding on an AVX2-only CPU: tokens per second, PACT against transformers and llama.cpp",
+    "python benchmarks/bench_decode.py --rounds 5 --adapter pact-output/adapter "
+    "--output benchmarks/results/decode_avx2/results.json",
+    note="the main job's adapter (fp32, as trained here; its 16-bit quarter); transformers without an adapter; "
+    "llama.cpp on the Q4_1 GGUF the default model comes from and on the adapter's own export; arms in turn",
+)
+def decode(results: dict) -> str:
+    lines = ["| arm | tokens/s (median) | rounds |", "|---|---|---|"]
+    for arm, median in results["tokens_per_s_median"].items():
+        lines.append(f"| `{arm}` | {median:.1f} | {', '.join(f'{v:.1f}' for v in results['tokens_per_s_all'][arm])} |")
+    ratios = ", ".join(f"{name} {value:.2f}" for name, value in results["ratios"].items())
+    parts = ", ".join(f"{name} {ms:.1f}" for name, ms in results["pact_ms_per_token"].items())
+    targets = ", ".join(f"{name}: {'met' if met else 'missed'}" for name, met in results["targets"].items())
+    return "\n".join([*lines, "", f"- ratios of medians: {ratios}", f"- PACT's ms per token: {parts}", f"- {targets}"])
 
 
 @section(
@@ -474,71 +483,6 @@ def aqlora_stored_base(results: dict) -> str:
 )
 def aqlora_trained(results: dict) -> str:
     return aqlora_table(results)
-
-
-AQLORA_ARMS = {
-    "base": "fp32 base, no training",
-    "lora_fp32": "peft LoRA fp32",
-    "qlora_nf4": "QLoRA (bnb nf4)",
-    "pact": "all-NVFP4, no protection",
-    "aqlora_quality": "protection ranked by {rank_by} error",
-    "aqlora_speed": "AQLoRA speed (ranked by {rank_by} error)",
-    "aqlora_random": "random list matched to the {rank_by}-error ranking",
-    "aqlora_sensitivity": "protection ranked by gradient sensitivity",
-    "aqlora_sensitivity_random": "random list matched to the sensitivity ranking",
-}
-RANKINGS = {"nvfp4": "NVFP4", "nf4": "nf4"}  # --rank-by: whose 4-bit reconstruction error
-
-
-def _pm(value: dict, scale: float, digits: int) -> str:
-    se = "" if value.get("se") is None else f" +/- {value['se'] * scale:.{digits}f}"
-    return f"{value['mean'] * scale:+.{digits}f}{se}"
-
-
-def aqlora_table(results: dict) -> str:
-    """aqlora_accuracy.py's results (it prints a JSON line, no table): one row per arm, then its paired
-    comparisons as it computed them."""
-    trained = bool(results["steps"])
-    training = f"{results['steps']} steps of {results['batch']}, lr {results['lr']}" if trained else "no training"
-    rank_by = RANKINGS.get(results["rank_by"], results["rank_by"])
-    lines = [
-        f"SmolLM2-135M-Instruct on BIG-bench strategyqa, LoRA r={results['r']}, {training}, "
-        f"{results['test_size']} held-out questions per seed, seeds {results['seeds']}, compute dtype "
-        f"{results['dtype']}, protect_fraction {results['protect_fraction']}, NVFP4 scale rule "
-        f"{results['nvfp4_scale_rule']}. Stored-base LM loss: the held-out loss over every token before any "
-        "training (mean of the seeds); premium: the 16-bit layers' memory above all-NVFP4.",
-        "",
-        "| arm | " + ("held-out accuracy (pooled, +/- SE) | " if trained else "") + "stored-base LM loss | premium |",
-        "|---|" + ("---|" if trained else "") + "---|---|",
-    ]  # fmt: skip
-    for arm, r in results["arms"].items():
-        cells = [f"{AQLORA_ARMS.get(arm, arm).format(rank_by=rank_by)} (`{arm}`)"]
-        if trained:
-            cells.append("-" if r.get("accuracy") is None else f"{r['accuracy']:.1%} +/- {r['se']:.1%}")
-        premium = r.get("premium_mib")
-        cells += [f"{r['lm_loss_before_training']:.3f}", "0 MiB" if premium is None else f"{premium:.1f} MiB"]
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "Paired differences, arm minus reference (per seed over the same questions, then mean +/- SE over "
-                  "the seeds):", ""]  # fmt: skip
-    for name, c in results["comparisons"].items():
-        arm, ref = name.split("_vs_")
-        loss = c["lm_loss"]
-        text = f"- `{arm}` - `{ref}`: stored-base LM loss {_pm(loss, 1, 3)} (lower in {loss['seeds_better']} of "
-        text += f"{loss['n']} seeds)"
-        if "accuracy" in c:
-            acc = c["accuracy"]
-            text += f"; accuracy {_pm(acc, 100, 1)} points (higher in {acc['seeds_better']} of {acc['n']} seeds)"
-        lines.append(text)
-    per_seed = results.get("per_seed", {})
-    probes = [f"{arms['aqlora_sensitivity']['probe_s']:.0f} s (seed {seed})" for seed, arms in per_seed.items()
-              if "probe_s" in arms.get("aqlora_sensitivity", {})]  # fmt: skip
-    if probes:
-        lines += ["", "Sensitivity probe (one forward+backward per targeted linear on the first training batch): "
-                      + ", ".join(probes) + "."]  # fmt: skip
-    if trained:
-        train_s = [run["train_s"] for arms in per_seed.values() for run in arms.values()]
-        lines += ["", f"Training: {min(train_s):.0f}-{max(train_s):.0f} s per arm and seed."]
-    return "\n".join(lines)
 
 
 # ---- the page ----
