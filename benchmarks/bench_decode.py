@@ -14,8 +14,9 @@ the same threads. `sizes_mb` sets the files side by side: that GGUF, the Q4_1 GG
 Decode speed excludes the prompt: (new_tokens - 1) / (time to generate new_tokens - time to generate 1).
 Prints one JSON line with medians over rounds and the ratios measured side by side; `pact/best_transformers` sets
 PACT against the faster of transformers' bf16 and fp32 on this CPU. `pact_ms_per_token` is where PACT's decoding
-time goes, from timers around the parts in one more PACT run after the rounds: the native products, the adapter layers
-(which include them), the output head (every plain `nn.Linear`) and the rest (transformers' own per-token work).
+time goes, from timers around the parts in one more PACT run after the rounds: the native products (the decoder's
+linears and, since PACT decodes its head natively too, the head's), the adapter layers (which include theirs), the
+output head (the head module's forward) and the rest (transformers' own per-token work).
 
     python benchmarks/bench_decode.py --rounds 3
 """
@@ -73,7 +74,10 @@ def breakdown(model, ids: torch.Tensor, new: int) -> dict[str, float]:
     """Milliseconds per decoded token in each part of PACT's decoding (timers around them; prompt excluded)."""
     spent: dict[str, float] = {}
     patched = [(NativeLinear, "run", "native_products"), (PactLoraLinear, "forward", "adapter_layers")]
-    patched.append((torch.nn.Linear, "forward", "output_head"))
+    # the head: its forward is set on the instance by PACT's loading (optimum_pact/head.py), else nn.Linear's
+    head = model.model.get_output_embeddings()
+    owner = head if "forward" in vars(head) else torch.nn.Linear
+    patched.append((owner, "forward", "output_head"))
     originals = [(cls, name, getattr(cls, name)) for cls, name, _ in patched]
 
     def timed(real, part):
