@@ -21,25 +21,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .backends.torch_backend import FUSED_MAX_ROWS
+from .backends.torch_backend import fusable
 from .nvfp4.kernels import NativeLinear, native_available
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BOUND = "_pact_native_head"  # where head_product keeps the head it bound, on the caller's holder
 
 
 def _fusable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The backend's decoding rows (`fusable`: inference, few CPU rows in a dtype the kernel reads) against a CPU
+    weight [n, k] of x's dtype that the dense mode reads (k a multiple of 16)."""
     k = weight.shape[-1]
     return (
-        not torch.is_grad_enabled()
-        and x.is_cpu
-        and weight.is_cpu
+        weight.is_cpu
         and weight.dim() == 2
         and x.dtype == weight.dtype
-        and x.dtype in _DTYPES
         and x.shape[-1] == k
         and k % 16 == 0
-        and x.numel() <= FUSED_MAX_ROWS * k
+        and fusable(x, k)
         and native_available()
     )
 

@@ -26,7 +26,7 @@ def _native_weight(handle: NVFP4Tensor | torch.Tensor) -> bool:
     return handle.is_cpu and handle.dtype in (torch.bfloat16, torch.float16) and handle.dim() == 2
 
 
-def _fusable(x: torch.Tensor, k: int) -> bool:
+def fusable(x: torch.Tensor, k: int) -> bool:
     """Whether the fused product takes `x` against a weight with `k` inputs: inference (no autograd) on at most
     FUSED_MAX_ROWS rows of a CPU tensor in a dtype the kernel reads."""
     return not torch.is_grad_enabled() and x.is_cpu and x.dtype in FUSED_DTYPES and x.numel() <= FUSED_MAX_ROWS * k
@@ -148,7 +148,7 @@ class TorchBackend:
         if not isinstance(handle, NVFP4Tensor) or not handle.qdata.is_cpu:
             return False
         k = handle.shape[1]  # x of another width goes on to the matmul, which says what does not fit
-        return x.shape[-1] == k and _fusable(x, k) and native_available()
+        return x.shape[-1] == k and fusable(x, k) and native_available()
 
     def _forward(self, x: torch.Tensor, handle: NVFP4Tensor | torch.Tensor) -> torch.Tensor:
         if isinstance(handle, torch.Tensor):  # a layer kept 16-bit: fused only with its adapter (`bind_lora`)
@@ -202,7 +202,7 @@ class FusedLora:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
         k = self.k
-        if not _fusable(x, k):
+        if not fusable(x, k):
             return None
         if x.shape[-1] != k:
             raise ValueError(f"x of shape {tuple(x.shape)} does not fit an NVFP4 weight of shape {(self.n, k)}")
