@@ -12,7 +12,9 @@ Arms, each a fresh process (so its peak RSS is its own), in an order rotated per
                         reconstruction, as FrozenLinear quantizes it): the drop-in's weights, so what the format costs
                         stock peft itself (pact_dropin computes the same gradients: tests/test_trains_as_stock.py)
   peft_lora_nvfp4_kept  the same with the main job's AQLoRA share (pact_protect_fraction, ranked by NVFP4 error) left
-                        as it was: pact_finetune's weights
+                        as it was: pact_finetune's weights with --rounding nearest
+  peft_lora_gptq(_kept) the same two on the base rounded by GPTQ on the training items (`rounded_base.gptq_base`):
+                        what `pact finetune --rounding gptq` (the default) trains on
 Every arm trains on the main job's rows (`tokenize_examples` on the built-in notes' train items) with the main job's
 defaults (`MAIN_JOB_DEFAULTS`: r, alpha, all linears, lr, batch, epochs, warmup; so the arms stay equal when they
 change) and is scored the same way (`classify` + `accuracy` on the held-out items). Per arm and seed: the wall time
@@ -51,6 +53,7 @@ from common import cpu_model, log, machine, round_linears, status_bytes  # lscpu
 ARMS = (
     "peft_lora", "peft_qlora", "pact_dropin", "pact_finetune", "peft_lora_dup", "pact_finetune_padded",
     "pact_finetune_packed", "pact_finetune_fused", "peft_lora_nvfp4", "peft_lora_nvfp4_kept",
+    "peft_lora_gptq", "peft_lora_gptq_kept",
 )  # fmt: skip
 # the pact_finetune variants: the flags each adds to `pact finetune`
 ARM_FLAGS = {
@@ -104,6 +107,25 @@ def rounded(model, keep_fraction: float):
     return model
 
 
+def gptq_rounded(model, tokenizer, keep_fraction: float):
+    """`rounded`, but each rounded linear by GPTQ on the main job's training items, as `pact finetune --rounding
+    gptq` rounds its base (`rounded_base.gptq_base`, the same codes)."""
+    import torch
+
+    from optimum_pact.commands.calibration import calibration_rows
+    from optimum_pact.commands.rounded_base import gptq_base
+    from peft_ext.blocks import decoder_linears
+    from peft_ext.ranking import choose_protected
+
+    keep = set(choose_protected(model, keep_fraction, "nvfp4") if keep_fraction else ())
+    codes = gptq_base(model, calibration_rows(tokenizer, None), model.name_or_path)
+    with torch.no_grad():
+        for name, linear in decoder_linears(model).items():
+            if name not in keep:
+                linear.weight.copy_(codes[name].dequantize())
+    return model
+
+
 def run_trainer_arm(
     arm: str, seed: int, dtype_name: str, max_steps: int | None, model_name: str | None = None
 ) -> dict:
@@ -139,9 +161,11 @@ def run_trainer_arm(
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
-    keep = settings["pact_protect_fraction"] if arm == "peft_lora_nvfp4_kept" else 0.0
+    keep = settings["pact_protect_fraction"] if arm.endswith("_kept") else 0.0
     if arm.startswith("peft_lora_nvfp4"):
         model = rounded(model, keep)
+    if arm.startswith("peft_lora_gptq"):
+        model = gptq_rounded(model, tokenizer, keep)
     lora = {k: settings[k] for k in LORA_FIELDS if k in settings}
     torch.manual_seed(seed)  # as the main job seeds before get_peft_model
     model = get_peft_model(model, (PactConfig if arm == "pact_dropin" else LoraConfig)(**lora))
@@ -171,6 +195,7 @@ def run_trainer_arm(
 
         base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
         base = rounded(base, keep) if arm.startswith("peft_lora_nvfp4") else base  # the base it was trained on
+        base = gptq_rounded(base, tokenizer, keep) if arm.startswith("peft_lora_gptq") else base
         merged = PeftModel.from_pretrained(base, tmp).merge_and_unload()
         as_used = accuracy(classify(merged, tokenizer, texts, labels), golds)
     return {"arm": arm, "seed": seed, "train_s": train_s, "accuracy": acc, "as_used_accuracy": as_used,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .blocks import _blocks, _unwrap, block_index
+from .blocks import _unwrap, block_index, decoder_blocks
 
 
 class BackwardStop:
@@ -89,7 +89,7 @@ def stop_backward_below(model: nn.Module, lowest_block: int) -> BackwardStop:
 
     Calling it again replaces the previous call's hooks. Returns a `BackwardStop` whose `remove()` undoes 3-4.
     """
-    blocks = _blocks(model)
+    blocks = decoder_blocks(model)
     if isinstance(lowest_block, bool) or not isinstance(lowest_block, int) or not 0 <= lowest_block < len(blocks):
         raise ValueError(f"lowest_block={lowest_block!r} must be an integer from 0 to {len(blocks) - 1}.")
     inner = _unwrap(model)

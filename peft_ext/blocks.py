@@ -96,7 +96,7 @@ def linear_shapes(model: nn.Module, names: Sequence[str] = ()) -> dict[str, tupl
     return shapes
 
 
-def _blocks(model: nn.Module) -> nn.ModuleList:
+def decoder_blocks(model: nn.Module) -> nn.ModuleList:
     """The ModuleList holding the decoder blocks: the first one not inside a numbered block (`model.layers`).
 
     Found by structure, not by linear type, so it also works once the linears are quantized (`FrozenLinear`).
@@ -110,7 +110,7 @@ def _blocks(model: nn.Module) -> nn.ModuleList:
 
 def num_blocks(model: nn.Module) -> int:
     """How many decoder blocks the model has (the length of its block ModuleList)."""
-    return len(_blocks(model))
+    return len(decoder_blocks(model))
 
 
 def lowest_trainable_block(model: nn.Module) -> int | None:

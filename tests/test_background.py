@@ -126,7 +126,8 @@ def test_adapter_folder_is_hub_ready(job, monkeypatch, tmp_path):
         assert main([*args, "--output", str(out)]) == 0
     adapter = out / "adapter"
     assert {p.name for p in adapter.iterdir()} == {
-        "adapter_config.json", "adapter_model.safetensors", "pact_config.json", "pact_data.json", "README.md"
+        "adapter_config.json", "adapter_model.safetensors", "pact_config.json", "pact_data.json", "README.md",
+        "pact_base.safetensors",  # the base's own rounding (--rounding gptq, the default): the base it trained on
     }  # fmt: skip
     card = (adapter / "README.md").read_text()
     summary = json.loads((out / "summary.json").read_text())

@@ -104,10 +104,12 @@ def test_main_job_on_prompt_completion_reports_loss_perplexity_and_answers(small
     data = _write(tmp_path, [{"prompt": f"Q{i}: colour?\nA:", "completion": " blue"} for i in range(10)])
     out = tmp_path / "run"
     args = ["finetune", "--model", str(small_model), "--data", str(data), "--output", str(out), "--max-steps", "30"]
-    assert main([*args, "--dtype", "float32", "--learning_rate", "0.02"]) == 0
+    # the base rounded to nearest, as this lr was chosen on: this random base is fragile (lr 0.05 stalls near 10.1,
+    # and so does lr 0.02 on its GPTQ rounding over these 8 one-word items); the format is the question here
+    assert main([*args, "--dtype", "float32", "--learning_rate", "0.02", "--rounding", "nearest"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["data_format"] == "prompt_completion" and summary["accuracy_before"] is None
-    # " blue" every time: learnable in a few steps (11.02 -> 9.58; at lr 0.05 this random base stalls near 10.1)
+    # " blue" every time: learnable in a few steps (11.02 -> 9.58)
     assert summary["loss_after"] < summary["loss_before"] - 1
     assert summary["example_prompt"].endswith("colour?\nA:") and summary["answer_after"] is not None
     printed = capsys.readouterr().out

@@ -68,3 +68,23 @@ def test_the_inverse_factor_is_the_cholesky_factor_of_the_inverse():
     assert torch.equal(u, u.triu()) and bool((torch.diagonal(u) > 0).all())
     torch.testing.assert_close(u.T @ u, torch.linalg.inv(h), rtol=1e-9, atol=1e-12)
     torch.testing.assert_close(u, torch.linalg.cholesky(torch.linalg.inv(h), upper=True), rtol=1e-9, atol=1e-12)
+
+
+def test_many_weights_at_once_round_as_each_alone():
+    """q, k, v sharing one input's moments are joined by rows, and layers of one shape batched: the codes and scales
+    each weight gets alone."""
+    from optimum_pact.nvfp4.gptq import gptq_quantize_many
+
+    g = torch.Generator().manual_seed(0)
+
+    def moments(k):
+        x = torch.randn(512, k, generator=g) @ (torch.randn(k, k, generator=g) / k**0.5 + torch.eye(k))
+        return x.T @ x
+
+    h1, h2, h3 = moments(160), moments(160), moments(64)
+    pairs = [(torch.randn(n, k, generator=g) * s, h) for n, k, s, h in
+             [(32, 160, 0.05, h1), (16, 160, 0.2, h1), (48, 160, 0.01, h2), (8, 64, 0.1, h3)]]  # fmt: skip
+    for (weight, hessian), many in zip(pairs, gptq_quantize_many(pairs)):
+        alone = gptq_quantize(weight, hessian)
+        assert torch.equal(many.qdata, alone.qdata) and torch.equal(many.scale.float(), alone.scale.float())
+        assert torch.equal(many.scale_2, alone.scale_2)

@@ -20,18 +20,25 @@ IDS = torch.tensor([[1, 520, 1742, 314, 2283, 30, 88, 4], [5, 61, 700, 2, 9, 120
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
-def _train_time_model(base_folder, out, dtype, seed, **pact):
+def _train_time_model(base_folder, out, dtype, seed, rounded_on=None, **pact):
     """A PactConfig adapter with random non-zero B on the base loaded in `dtype`, saved to `out`: the training-time
-    model (in eval mode) and its saved folder."""
+    model (in eval mode) and its saved folder. `rounded_on`: token rows the base is rounded on by GPTQ first, as
+    `pact finetune --rounding gptq` does (its codes saved beside the adapter)."""
+    from optimum_pact.commands.rounded_base import apply_codes, gptq_base, save_codes
+
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(base_folder, dtype=dtype)
+    codes = gptq_base(model, rounded_on, base_folder) if rounded_on else {}
     config = PactConfig(r=4, target_modules="all-linear", init_lora_weights=False, **pact)
     model = get_peft_model(model, config)
+    used = apply_codes(model, codes)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.mul_(20)
     model.save_pretrained(out)
+    if used:
+        save_codes(out, {name: codes[name] for name in used})
     return model.eval(), out
 
 

@@ -29,6 +29,7 @@ from peft_ext.options import derived_options
 from trainer_callbacks import PactTrainingArguments
 
 from .named_models import named_model
+from .rounded_base import ROUNDINGS
 
 # LoRA's own fields that `pact finetune` exposes, with peft's types and help texts (not declared again here)
 LORA_FIELDS = ("r", "lora_alpha", "lora_dropout", "target_modules")
@@ -111,6 +112,15 @@ class FinetuneArguments:
             "help": "Compute dtype of the base model; auto: bfloat16 where the CPU computes it natively "
             "(AVX512-BF16, AMX), float32 elsewhere (bf16 is emulated there, many times slower).",
             "choices": list(DTYPES),
+        },
+    )
+    rounding: str = field(
+        default="gptq",
+        metadata={
+            "help": "How the frozen base is rounded to NVFP4: gptq (rounded on your training items, so it keeps what "
+            "the model computes on your data; its codes are saved beside the adapter, pact_base.safetensors) or "
+            "nearest (each weight to its nearest value: the base every adapter shares).",
+            "choices": list(ROUNDINGS),
         },
     )
     soc_model: str | None = field(

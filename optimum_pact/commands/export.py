@@ -32,6 +32,7 @@ from .gguf_lora import export_gguf_lora
 from .model_folder import adapter_loading, check_paths, load_causal_lm, load_tokenizer, resolve_model, written_aside
 from .modeling import read_adapter_config, trained_base
 from .nvfp4_merge import REQUANTIZE_FROM, ROUNDINGS, SIZE_BUDGET, export_nvfp4_merged
+from .rounded_base import apply_adapter_codes
 
 FORMATS = ("merged-bf16", "gguf-lora", "nvfp4-merged", "gguf")
 
@@ -105,6 +106,7 @@ def export_merged(adapter: str | Path, output: str | Path, base: str | None = No
     trained_dtype, dense = trained_base(read_adapter_config(adapter), path, unrecorded=dtype)  # as it was trained
     quantization = PactQuantizationConfig(modules_in_16bit=dense or None)
     model = load_causal_lm(path, base, quantization_config=quantization, dtype=trained_dtype)
+    apply_adapter_codes(model, adapter)  # the adapter's own rounding of the base, if it was trained on one
     model = model.dequantize(dtype=dtype).to(dtype)  # the effective weights the adapter was trained against
     tokenizer = load_tokenizer(path, base)
     with adapter_loading(adapter, path):

@@ -24,7 +24,7 @@ from trainer_callbacks.resources import peak_rss_bytes, process_seconds
 from trainer_callbacks.trainer import attention_implementation, supports_padding_free
 
 from ..dataflow import FrozenLinear
-from ..errors import NoSpaceError
+from ..errors import NoSpaceError, OptionError
 from ..files import free_bytes, is_disk_full, write_text_atomic
 from ..memory import pin_mmap_threshold, pinned_mmap_threshold, trim_heap
 from ..precision import resolve_dtype
@@ -34,6 +34,7 @@ from .data.generative import builtin_data, file_format, load_generative_dataset,
 from .data.trained_on import TrainedOn
 from .evaluation import accuracy, answer, classify, heldout_loss
 from .model_folder import RUN_AGAIN, load_causal_lm, load_tokenizer, resolve_model, written_aside
+from .rounded_base import MAX_ROWS, ROUNDINGS, apply_codes, gptq_base, save_codes
 from .streamed_base import load_streamed_base, streams
 from .summary import FinetuneSummary, write_card
 
@@ -115,11 +116,14 @@ def _finetune(run: FinetuneRun) -> FinetuneSummary:
         )
         args.pact_padding_free = False
     held_out = HeldOut(form, tokenizer, train_items, heldout_items, collator)
-    before = held_out.measure(base)
     if form == "labelled":
         train_rows = tokenize_examples(tokenizer, train_items)
     else:
         train_rows = tokenize_generative(tokenizer, train_items, form)
+    rounding_began = time.perf_counter()
+    codes = round_base(job, base, train_rows, model_path)  # the person's own rounding of the NVFP4 base
+    rounding_seconds = time.perf_counter() - rounding_began if codes else None
+    before = held_out.measure(base)
     if config.uses_calibration:
         torch.manual_seed(args.seed)
         batch = collator(train_rows[: args.per_device_train_batch_size])
@@ -132,6 +136,7 @@ def _finetune(run: FinetuneRun) -> FinetuneSummary:
             _say(f"AQLoRA: {len(config.protected_modules)} linears kept 16-bit, ranked by gradient sensitivity")
     torch.manual_seed(args.seed)
     peft_model = get_peft_model(base, config)
+    codes = {name: codes[name] for name in apply_codes(peft_model, codes)}  # those that are NVFP4 in training
     trainer = PactTrainer(
         model=peft_model, args=args, train_dataset=Dataset.from_list(train_rows), data_collator=collator
     )
@@ -172,8 +177,11 @@ def _finetune(run: FinetuneRun) -> FinetuneSummary:
     mapped = trainer.mapped_weights or {}
     # written aside and swapped in whole: a failed save (a full disk) leaves an earlier run's adapter as it was
     adapter_bytes = sum(p.numel() * p.element_size() for p in peft_model.parameters() if p.requires_grad)
+    adapter_bytes += sum(q.nbytes for q in codes.values())  # the base's own rounding, saved beside it
     with written_aside(adapter_dir, replace=True, needs=adapter_bytes + (64 << 10), fix=again) as tmp:
         peft_model.save_pretrained(str(tmp))
+        if codes:
+            save_codes(tmp, codes)
         TrainedOn.of(form, train_items).save(tmp)
         # what the person is shown is the model every use of the saved adapter loads (PactModelForCausalLM: the
         # base rebuilt in the adapter's dtype with its own 16-bit linears). That model computes this one's logits
@@ -206,6 +214,8 @@ def _finetune(run: FinetuneRun) -> FinetuneSummary:
             background=extra,
             dtype=str(dtype).removeprefix("torch."),
             fused_compile_s=compile_s,
+            rounded_linears=len(codes),
+            rounding_seconds=rounding_seconds,
             **counts,
             **mapped,
         )
@@ -218,6 +228,26 @@ def _finetune(run: FinetuneRun) -> FinetuneSummary:
             raise
         raise NoSpaceError(job.output, "summary.json", len(text), free_bytes(job.output), again) from err
     return summary
+
+
+def round_base(job, base, rows: list[dict], checkpoint: str) -> dict:
+    """`--rounding gptq`: GPTQ codes of the base's NVFP4 linears on the training items, loaded into those `base`
+    holds already (a base loaded packed); {} for `--rounding nearest`."""
+    if job.rounding not in ROUNDINGS:
+        raise OptionError(
+            "rounding",
+            f"--rounding {job.rounding!r} is not one of {', '.join(ROUNDINGS)}; pass gptq "
+            "(the base rounded on your training items) or nearest (the base every adapter shares)",
+        )
+    if job.rounding == "nearest":
+        return {}
+    if not pinned_mmap_threshold():  # GPTQ's 1-40 MiB temporaries go back to the system when freed, not to the heap
+        pin_mmap_threshold()
+    codes = gptq_base(base, [row["input_ids"] for row in rows], checkpoint)
+    apply_codes(base, codes)
+    trim_heap()
+    _say(f"GPTQ: {len(codes)} NVFP4 linears rounded on {min(len(rows), MAX_ROWS)} training items")
+    return codes
 
 
 def after_training() -> None:

@@ -43,6 +43,7 @@ from .llama_score import llama_cpp_accuracy, llama_cpp_available
 from .model_folder import check_adapter_folder, load_causal_lm, load_tokenizer, resolve_model
 from .modeling import read_adapter_config, trained_base
 from .nvfp4_merge import SIZE_BUDGET, export_nvfp4_merged, save_merged, save_nvfp4_folder
+from .rounded_base import apply_adapter_codes
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,7 @@ def export_gguf(
             dtype, dense = trained_base(read_adapter_config(adapter), path, unrecorded=resolve_dtype("auto"))
             quantization = PactQuantizationConfig(modules_in_16bit=dense or None)
             model = load_causal_lm(path, base, quantization_config=quantization, dtype=dtype)
+            apply_adapter_codes(model, adapter)
             folder.mkdir()
             save_nvfp4_folder(model, load_tokenizer(path, base), folder)
             del model

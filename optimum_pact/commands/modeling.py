@@ -24,6 +24,7 @@ from .data.trained_on import TrainedOn, longest_answer_tokens, prompt_input
 from .layer_precisions import LayerPrecisions
 from .model_folder import adapter_loading, check_adapter_folder, load_tokenizer, resolve_model
 from .packed_cache import load_packed
+from .rounded_base import base_codes_file
 
 logger = logging.getLogger(__name__)
 
@@ -35,14 +36,14 @@ class PactModelForCausalLM:
     backend every frozen product runs on (`backend.counts` tallies them).
     """
 
-    def __init__(self, model, tokenizer, base_path: str):
+    def __init__(self, model, tokenizer, base_path: str, codes: Path | None = None):
         self.model, self.tokenizer, self.base_path = model, tokenizer, base_path
         self.trained_on: dict[str, TrainedOn | None] = {}  # per adapter: the data it learned (pact_data.json)
         frozen = [m for m in model.modules() if isinstance(m, FrozenLinear)]
         if not frozen:
             raise ValueError(f"{base_path}: no linear layer was put on the NVFP4 base; is it a causal LM?")
         self.backend = frozen[0].backend
-        self.precisions = LayerPrecisions(base_path, model)
+        self.precisions = LayerPrecisions(base_path, model, codes)  # codes: the base's own rounding, if it has one
         self.packed_base = _packed_checkpoint(base_path)  # a saved NVFP4 folder: no weights to build 16-bit ones
 
     @classmethod
@@ -69,10 +70,11 @@ class PactModelForCausalLM:
         quantization = PactQuantizationConfig(
             backend=backend, backend_options=backend_options, modules_in_16bit=dense or None
         )
-        model = load_packed(path, base, quantization, dtype)  # quantized once, then read from PACT's cache
+        codes = base_codes_file(next(iter(adapters.values()), None))  # a base rounded for the first adapter
+        model = load_packed(path, base, quantization, dtype, codes)  # quantized once, then read from PACT's cache
         model.eval()
         tokenizer = load_tokenizer(path, base)
-        self = cls(model, tokenizer, path)
+        self = cls(model, tokenizer, path, codes)
         for name, folder in adapters.items():
             self.load_adapter(folder, name, config=configs[name])
         if adapters:
@@ -101,7 +103,7 @@ class PactModelForCausalLM:
                 folder,
             )
             sixteen, config = [], config._replace(protected_modules=[], precision_plan=None)
-        self.precisions.add(name, sixteen)
+        self.precisions.add(name, sixteen, base_codes_file(folder))
         with adapter_loading(folder, self.base_path):
             if isinstance(self.model, PeftModel):
                 self.model.add_adapter(name, config)

@@ -32,16 +32,21 @@ FORMAT = 1  # raise when what a cached folder holds changes
 KEEP = 4  # packed bases kept: the ones used last
 
 
-def packed_folder(path: str, dtype: torch.dtype, sixteen_bit: list[str] | None) -> Path | None:
+def packed_folder(
+    path: str, dtype: torch.dtype, sixteen_bit: list[str] | None, codes: Path | None = None
+) -> Path | None:
     """Where the packed base of the checkpoint at `path` in `dtype` with `sixteen_bit` linears is cached (None: a
-    Hub id, or a folder that is already packed)."""
+    Hub id, or a folder that is already packed); `codes`: an adapter's own rounding of it (`rounded_base`)."""
     folder = Path(path)
     files = sorted([*folder.glob("*.safetensors"), folder / "config.json"])
     if not folder.is_dir() or not all(file.is_file() for file in files) or len(files) < 2:
         return None
     if (json.loads((folder / "config.json").read_text()).get("quantization_config") or {}).get("quant_method"):
         return None  # already quantized: loading it quantizes nothing
-    return cache_dir("packed", checkpoint_key(folder, files, str(dtype), sorted(sixteen_bit or []), FORMAT))
+    settings = [str(dtype), sorted(sixteen_bit or []), FORMAT]
+    if codes is not None:  # the file itself, as the checkpoint's files are named: a retrained adapter's is new
+        settings.append([str(Path(codes).resolve()), codes.stat().st_size, codes.stat().st_mtime_ns])
+    return cache_dir("packed", checkpoint_key(folder, files, *settings))
 
 
 def checkpoint_key(folder: Path, files: list[Path], *settings) -> str:
@@ -53,19 +58,21 @@ def checkpoint_key(folder: Path, files: list[Path], *settings) -> str:
     return f"{folder.name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
-def load_packed(path: str, given: str | None, quantization, dtype: torch.dtype):
+def load_packed(path: str, given: str | None, quantization, dtype: torch.dtype, codes: Path | None = None):
     """The base at `path` on PACT's NVFP4 layers (`quantization`: a PactQuantizationConfig), read from its cached
-    packed folder, which is written on the first call. The model names `path` as where it came from (what peft
-    records as an adapter's base_model_name_or_path), never the cache."""
-    model = _load_packed(path, given, quantization, dtype)
+    packed folder, which is written on the first call; with `codes` (an adapter's `pact_base.safetensors`) its NVFP4
+    linears hold that rounding. The model names `path` as where it came from (what peft records as an adapter's
+    base_model_name_or_path), never the cache."""
+    model = _load_packed(path, given, quantization, dtype, codes)
     model.config._name_or_path = model.name_or_path = path
     return model
 
 
-def _load_packed(path: str, given: str | None, quantization, dtype: torch.dtype):
+def _load_packed(path: str, given: str | None, quantization, dtype: torch.dtype, codes: Path | None):
     from .model_folder import load_causal_lm, written_aside  # transformers: `packed_folder` alone stays light
+    from .rounded_base import apply_codes, read_codes
 
-    cached = packed_folder(path, dtype, quantization.modules_in_16bit)
+    cached = packed_folder(path, dtype, quantization.modules_in_16bit, codes)
     if cached is not None and (cached / "config.json").is_file():
         try:
             model = load_causal_lm(str(cached), given, quantization_config=quantization, dtype=dtype)
@@ -74,6 +81,8 @@ def _load_packed(path: str, given: str | None, quantization, dtype: torch.dtype)
         except ValueError as err:  # damaged: build it again below
             logger.warning("the cached packed base %s did not load (%s); quantizing the base again", cached, err)
     model = load_causal_lm(path, given, quantization_config=quantization, dtype=dtype)
+    if codes is not None:
+        apply_codes(model, read_codes(codes))
     if cached is not None:
         try:
             with written_aside(cached, replace=True) as tmp:

@@ -31,6 +31,7 @@ from .data.trained_on import TrainedOn, longest_answer_tokens, prompt_input
 from .generate_options import adapter_folders, answer_or_chat, check_context, light_parser
 from .llama_quick import known_base
 from .packed_cache import packed_folder
+from .rounded_base import base_codes_file
 
 # adapter_config.json fields whose non-default value is a LoRA this path does not run (peft's own layers would)
 _PLAIN_LORA = {"peft_type": "LORA", "use_dora": False, "lora_bias": False, "bias": "none", "fan_in_fan_out": False}
@@ -137,7 +138,8 @@ def _tokenizer_as_saved(config: dict) -> bool:
 
 
 def _build(base, folder, scaling, sixteen, dtype_name, trained_on) -> QuickPactModel | None:
-    packed = packed_folder(base, resolve_dtype(dtype_name or "auto", inference=True), sixteen)
+    dtype = resolve_dtype(dtype_name or "auto", inference=True)
+    packed = packed_folder(base, dtype, sixteen, base_codes_file(folder))  # the adapter's own base, if it has one
     if packed is None:
         return None
     try:

@@ -9,6 +9,7 @@ from pathlib import Path
 from trainer_callbacks.model_card import write_model_card
 
 from .default_model import DEFAULT_MODEL_HUB_ID, DEFAULT_MODEL_NOTE
+from .rounded_base import BASE_FILE
 
 
 @dataclass
@@ -42,6 +43,8 @@ class FinetuneSummary:
     mapped_gib: float | None = None  # memory savers: frozen weights in a file mapping (part of the RSS when touched)
     mapped_resident_peak_gib: float | None = None  # ... the most of them seen resident at once (streamed)
     wall_seconds: float | None = None  # the whole process so far: imports, loading, quantizing, training, scoring
+    rounded_linears: int = 0  # --rounding gptq: NVFP4 linears rounded by GPTQ on the training items (0: nearest)
+    rounding_seconds: float | None = None  # ... and the seconds that took (in wall_seconds, not train_seconds)
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -52,7 +55,8 @@ class FinetuneSummary:
     def _linears(self) -> str:
         fp16 = f" ({self.fp16_linears} kept 16-bit: precision plan, AQLoRA)" if self.fp16_linears else ""
         dtype = f", computing in {self.dtype}" if self.dtype else ""
-        return f"{self.frozen_linears} NVFP4-base linears{fp16} on the {self.backend} backend{dtype}"
+        rounded = f", {self.rounded_linears} rounded by GPTQ on your items" if self.rounded_linears else ""
+        return f"{self.frozen_linears} NVFP4-base linears{fp16}{rounded} on the {self.backend} backend{dtype}"
 
     def _products(self) -> str:
         counts = {name: n for name, n in (self.products or {}).items() if n}
@@ -152,6 +156,11 @@ def write_card(adapter_dir: Path, model: str | None, pact_config, args, summary:
         "target_modules": "all-linear",
         **{f"PactConfig.{k}": _card_value(v) for k, v in pact_config.pact_dict().items()},
         "frozen NVFP4 linears": summary.frozen_linears,
+        "NVFP4 base rounding": (
+            f"GPTQ on the training items ({summary.rounded_linears} linears; codes in {BASE_FILE})"
+            if summary.rounded_linears
+            else "nearest"
+        ),
         "learning rate": args.learning_rate,
         "epochs": args.num_train_epochs,
         "max steps": args.max_steps,

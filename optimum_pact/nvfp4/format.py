@@ -174,7 +174,8 @@ def _block_error(magnitude: torch.Tensor, scale: torch.Tensor, scale_2: torch.Te
     x = (magnitude * ((1.0 / scale_2) / scale).unsqueeze(-1)).clamp_(max=F4_E2M1_MAX)
     step = (x >= 2).float().add_((x >= 4).float()).exp2_().mul_(0.5)  # as in _e2m1_round
     rounded = x.div_(step).round_().mul_(step)
-    return rounded.mul_(scale.unsqueeze(-1)).mul_(scale_2).sub_(magnitude).square_().sum(dim=-1)
+    per_row = scale_2.unsqueeze(-1) if scale_2.dim() else scale_2  # a scale per row [N, 1] (batched GPTQ)
+    return rounded.mul_(scale.unsqueeze(-1)).mul_(per_row).sub_(magnitude).square_().sum(dim=-1)
 
 
 def _e2m1_round(x: torch.Tensor) -> torch.Tensor:

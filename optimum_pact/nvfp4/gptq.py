@@ -26,7 +26,7 @@ from .format import (
 from .tensor import NVFP4Tensor
 
 DAMPING = 0.01  # of the Hessian's mean diagonal, added to it: GPTQ's default, keeps the inverse well conditioned
-LAZY_BLOCK = 128  # columns updated together (GPTQ's lazy batch update), a multiple of BLOCK_SIZE
+LAZY_BLOCK = 32  # columns updated together (GPTQ's lazy batch update), a multiple of BLOCK_SIZE
 
 
 def _inverse_cholesky(h: torch.Tensor) -> torch.Tensor:
@@ -43,35 +43,80 @@ def gptq_quantize(
 ) -> NVFP4Tensor:
     """NVFP4 of `weight` [N, K] that keeps `x @ W.T` close for inputs with second moment `hessian` [K, K] (sum of
     `x x^T` over the layer's inputs)."""
-    n, k = weight.shape
-    if hessian.shape != (k, k):
-        raise ValueError(f"gptq_quantize: hessian of shape {tuple(hessian.shape)} for a weight [{n}, {k}]")
-    w = weight.detach().float().clone()
-    scale_2 = tensor_scale(w)
-    h = hessian.detach().double().clone()
-    dead = torch.diagonal(h) == 0  # inputs that are always zero: their weights cannot matter
-    h[dead, dead] = 1.0
-    w[:, dead] = 0.0
-    h += damping * torch.diagonal(h).mean() * torch.eye(k, dtype=h.dtype)
-    inverse = _inverse_cholesky(h).float()
-    grid = torch.empty_like(w)  # each element's E2M1 value
-    scales = torch.empty(n, k // BLOCK_SIZE, dtype=torch.float32)
+    return gptq_quantize_many([(weight, hessian)], damping, scale_rule)[0]
+
+
+def gptq_quantize_many(
+    pairs: list[tuple[torch.Tensor, torch.Tensor]], damping: float = DAMPING, scale_rule: str = SCALE_RULES[0]
+) -> list[NVFP4Tensor]:
+    """`gptq_quantize` of each (weight, hessian) pair, the same result in far fewer steps: weights that share one
+    hessian object (q, k and v read one input) are rounded as one weight of their rows joined, each keeping its own
+    per-tensor scale (GPTQ treats rows alone), and groups of one shape go through the column loop together."""
+    groups: dict[int, list[int]] = {}  # id of a hessian -> the pairs that read it
+    for i, (weight, hessian) in enumerate(pairs):
+        n, k = weight.shape
+        if hessian.shape != (k, k):
+            raise ValueError(f"gptq_quantize: hessian of shape {tuple(hessian.shape)} for a weight [{n}, {k}]")
+        groups.setdefault(id(hessian), []).append(i)
+    shapes: dict[tuple[int, int], list[list[int]]] = {}
+    for members in groups.values():
+        rows = sum(pairs[i][0].shape[0] for i in members)
+        shapes.setdefault((rows, pairs[members[0]][0].shape[1]), []).append(members)
+    out: list[NVFP4Tensor | None] = [None] * len(pairs)
+    for batch in shapes.values():
+        w = torch.stack([torch.cat([pairs[i][0].detach().float() for i in members]) for members in batch])
+        s2 = torch.stack([torch.cat([tensor_scale(pairs[i][0].detach().float()).expand(pairs[i][0].shape[0])
+                                     for i in members]) for members in batch])  # fmt: skip
+        grid, scales = _gptq(w, [pairs[members[0]][1] for members in batch], s2, damping, scale_rule)
+        for b, members in enumerate(batch):
+            row = 0
+            for i in members:
+                n = pairs[i][0].shape[0]
+                codes = pack_e2m1(float_to_e2m1(grid[b, row : row + n]))
+                out[i] = NVFP4Tensor(codes, scales[b, row : row + n].to(torch.float8_e4m3fn), s2[b, row].clone())
+                row += n
+    return out
+
+
+def _gptq(w: torch.Tensor, hessians: list[torch.Tensor], s2: torch.Tensor, damping: float, scale_rule: str):
+    """The GPTQ column loop over a batch: weights [L, N, K] (fp32, consumed), one hessian [K, K] per weight,
+    per-row tensor scales [L, N]. Returns each element's E2M1 value [L, N, K] and the block scales [L, N, K/16].
+    The loop runs on the weights transposed, [K, L, N], so that every step reads and writes whole contiguous rows,
+    and writes each rounded column's values over that column: one copy of the weights in all."""
+    layers, n, k = w.shape
+    inverse = torch.empty(layers, k, k)
+    for b, hessian in enumerate(hessians):
+        hb = hessian.detach().double()  # a copy: the caller's moments stay as they are
+        dead = torch.diagonal(hb) == 0  # inputs that are always zero: their weights cannot matter
+        hb[dead, dead] = 1.0
+        w[b][:, dead] = 0.0
+        hb += damping * torch.diagonal(hb).mean() * torch.eye(k, dtype=hb.dtype)
+        inverse[b] = _inverse_cholesky(hb).float()
+        del hb
+    wt = w.permute(2, 0, 1).contiguous()  # [K, L, N]
+    del w
+    scales = torch.empty(k // BLOCK_SIZE, layers, n, dtype=torch.float32)
+    flat_s2 = s2.reshape(-1, 1)
     for start in range(0, k, LAZY_BLOCK):
         end = min(start + LAZY_BLOCK, k)
-        block, errors, inv = w[:, start:end].clone(), torch.zeros(n, end - start), inverse[start:end, start:end]
+        block = wt[start:end].clone()
+        rows = inverse[:, start:end, start:end].permute(1, 2, 0).contiguous()  # [i, j, L]: row i of each inverse
+        errors = torch.empty_like(block)
         for i in range(end - start):
             column = start + i
             if column % BLOCK_SIZE == 0:  # a block of 16 starts: its scale from the weights as they are now
-                scale = scale_blocks(block[:, i : i + BLOCK_SIZE], scale_2, scale_rule)[0][:, 0]
-                scales[:, column // BLOCK_SIZE] = scale
-                reciprocal = (1.0 / scale_2) / scale  # as format._scaled computes it
-            value = _e2m1_round((block[:, i] * reciprocal).clamp(-F4_E2M1_MAX, F4_E2M1_MAX))
-            grid[:, column] = value
-            error = (block[:, i] - (value * scale) * scale_2) / inv[i, i]
-            block[:, i:] -= error.unsqueeze(1) * inv[i, i:].unsqueeze(0)
-            errors[:, i] = error
-        w[:, end:] -= errors @ inverse[start:end, end:]
-    return NVFP4Tensor(pack_e2m1(float_to_e2m1(grid)), scales.to(torch.float8_e4m3fn), scale_2)
+                part = block[i : i + BLOCK_SIZE].permute(1, 2, 0).reshape(-1, BLOCK_SIZE)
+                scale = scale_blocks(part, flat_s2, scale_rule)[0][:, 0].reshape(layers, n)
+                scales[column // BLOCK_SIZE] = scale
+                reciprocal = (1.0 / s2) / scale  # as format._scaled computes it
+            value = _e2m1_round((block[i] * reciprocal).clamp(-F4_E2M1_MAX, F4_E2M1_MAX))
+            wt[column] = value  # the column is rounded: its place holds its E2M1 values from here on
+            error = (block[i] - (value * scale) * s2) / rows[i, i].unsqueeze(1)
+            block[i:].addcmul_(rows[i, i:].unsqueeze(2), error.unsqueeze(0), value=-1.0)
+            errors[i] = error
+        if end < k:  # the block's errors onto the columns not yet rounded
+            wt[end:] -= torch.einsum("lbk,bln->kln", inverse[:, start:end, end:], errors)
+    return wt.permute(1, 2, 0), scales.permute(1, 2, 0)
 
 
-__all__ = ["DAMPING", "gptq_quantize"]
+__all__ = ["DAMPING", "gptq_quantize", "gptq_quantize_many"]
