@@ -63,7 +63,9 @@ class LayerPrecisions:
         layers = {name: layer for name, (_, layer) in frozen_linears(model).items() if layer.precision == "nvfp4"}
         if self.holding not in self.codes:  # what the layers hold now, kept for a switch back
             self.codes[self.holding] = {name: layer.nvfp4 for name, layer in layers.items()}
-        held = self.codes.setdefault(codes, {} if codes is None else read_codes(codes))
+        if codes not in self.codes:  # read once: a switch back finds them here
+            self.codes[codes] = {} if codes is None else read_codes(codes)
+        held = self.codes[codes]
         missing = [name for name in layers if name not in held]
         if missing and codes is None:  # the shared base: rounded from the checkpoint as training rounds it
             originals = original_weights(self.base_path, missing)

@@ -25,6 +25,7 @@ import torch
 
 from .. import __version__
 from ..cache import cache_dir
+from .rounded_base import apply_codes, read_codes
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,8 @@ def packed_folder(
         return None  # already quantized: loading it quantizes nothing
     settings = [str(dtype), sorted(sixteen_bit or []), FORMAT]
     if codes is not None:  # the file itself, as the checkpoint's files are named: a retrained adapter's is new
-        settings.append([str(Path(codes).resolve()), codes.stat().st_size, codes.stat().st_mtime_ns])
+        stat = codes.stat()
+        settings.append([str(Path(codes).resolve()), stat.st_size, stat.st_mtime_ns])
     return cache_dir("packed", checkpoint_key(folder, files, *settings))
 
 
@@ -70,7 +72,6 @@ def load_packed(path: str, given: str | None, quantization, dtype: torch.dtype, 
 
 def _load_packed(path: str, given: str | None, quantization, dtype: torch.dtype, codes: Path | None):
     from .model_folder import load_causal_lm, written_aside  # transformers: `packed_folder` alone stays light
-    from .rounded_base import apply_codes, read_codes
 
     cached = packed_folder(path, dtype, quantization.modules_in_16bit, codes)
     if cached is not None and (cached / "config.json").is_file():

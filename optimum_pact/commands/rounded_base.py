@@ -17,7 +17,6 @@ before the next block runs on its outputs. One forward pass of the items in all,
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
@@ -28,8 +27,6 @@ from tqdm.auto import tqdm
 from ..dataflow import FrozenLinear
 from ..nvfp4 import BLOCK_SIZE, NVFP4Tensor
 from ..nvfp4.gptq import gptq_quantize_many
-
-logger = logging.getLogger(__name__)
 
 BASE_FILE = "pact_base.safetensors"  # in an adapter folder: the codes of the base it was trained on
 ROUNDINGS = ("gptq", "nearest")
