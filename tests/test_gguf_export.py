@@ -334,13 +334,12 @@ def test_the_llama_cpp_engine_samples_at_a_temperature(small_model, tmp_path, ca
 # -- the main job's adapter, in llama.cpp -------------------------------------------------------------------------
 
 
-def _greedy(model, ids: list[int], n: int) -> list[int]:
-    """`n` greedy tokens after `ids`, the end-of-sequence token included like any other."""
-    out = torch.tensor([ids])
+def _gaps_on(model, ids: list[int], theirs: list[int]) -> torch.Tensor:
+    """For each token of `theirs` (a continuation of `ids`), how far it falls below the model's top choice there, as
+    a share of the largest logit: 0 where the model would pick it too."""
     with torch.no_grad():
-        for _ in range(n):
-            out = torch.cat((out, model(input_ids=out).logits[:, -1:].argmax(-1)), dim=1)
-    return out[0, len(ids) :].tolist()
+        logits = model(input_ids=torch.tensor([ids + theirs])).logits[0, len(ids) - 1 : -1].double()
+    return (logits.max(-1).values - logits[range(len(theirs)), theirs]) / logits.abs().max()
 
 
 PROMPTS = ["What should I pack for a weekend hiking trip?", "Write a short note to my landlord about the heating.",
@@ -363,25 +362,31 @@ def test_llama_cpp_scores_and_generates_as_pacts_merged_model(main_job, tmp_path
 
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")  # PACT's merged model, as transformers runs it
     llm = _llama(model_file, n_ctx=512)
-    agreeing = []
+    gaps = []
     try:
         for prompt in PROMPTS:
             ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
             ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-            pact = _greedy(merged, ids, 32)  # past the end of sequence, as llama.cpp's generate goes on
             theirs = []
-            for token in llm.generate(ids, temp=0.0, top_k=1):
+            for token in llm.generate(ids, temp=0.0, top_k=1):  # past the end of sequence, as it goes on
                 theirs.append(token)
                 if len(theirs) == 32:
                     break
-            agreeing.append(next((i for i, (a, b) in enumerate(zip(pact, theirs)) if a != b), 32))
+            gaps.append(_gaps_on(merged, ids, theirs))  # each of llama.cpp's greedy tokens, where PACT ranks it
     finally:
         llm.close()
+    gaps = torch.cat(gaps)
+    agree = (gaps == 0).double().mean().item()
     size = model_file.stat().st_size
     print(f"llama.cpp {accuracy:.3f} vs PACT's merged {report.merged:.3f} on {len(heldout)} held-out notes; "
-          f"greedy tokens agreeing (of 32): {agreeing}; GGUF {size / 1e6:.1f} MB")  # fmt: skip
+          f"greedy tokens PACT picks too: {agree:.0%} of {len(gaps)}, largest gap {gaps.max():.4f}; "
+          f"GGUF {size / 1e6:.1f} MB")  # fmt: skip
     assert abs(accuracy - report.merged) <= 1 / len(heldout) + 1e-9, (accuracy, report)
-    assert all(n >= 16 for n in agreeing), agreeing
+    # llama.cpp multiplies with 8-bit activations, so where PACT's top two logits nearly tie (0.07% of the largest
+    # on this adapter's second prompt) its greedy pick may be the other one, and the two continuations part there.
+    # Fed llama.cpp's own tokens, PACT must rank each first or within 1% of the largest logit of first: a wrong
+    # row, scale or merge puts its tokens far below.
+    assert gaps.max() < 0.01 and agree >= 0.9, (gaps.max(), agree)
 
 
 def _token_losses(logits: torch.Tensor, rows: list[dict]) -> float:
