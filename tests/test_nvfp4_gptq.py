@@ -61,9 +61,10 @@ def test_the_moments_are_taken_over_real_tokens_and_shared_by_layers_reading_one
     torch.testing.assert_close(batched[names[0]], x.T @ x, rtol=1e-5, atol=1e-5)
 
 
-def test_the_inverse_factor_is_the_cholesky_factor_of_the_inverse():
-    x = torch.randn(300, 96, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    h = x.T @ x + 0.01 * torch.eye(96, dtype=torch.float64)
+@pytest.mark.parametrize("k", [96, 301])  # one triangular solve; inverted by halves, unequal ones
+def test_the_inverse_factor_is_the_cholesky_factor_of_the_inverse(k):
+    x = torch.randn(400, k, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    h = x.T @ x + 0.01 * torch.eye(k, dtype=torch.float64)
     u = _inverse_cholesky(h)
     assert torch.equal(u, u.triu()) and bool((torch.diagonal(u) > 0).all())
     torch.testing.assert_close(u.T @ u, torch.linalg.inv(h), rtol=1e-9, atol=1e-12)

@@ -60,7 +60,7 @@ def gptq_base(model: nn.Module, rows: list[list[int]], checkpoint: str | Path, b
         caught.append((args, kwargs, real[0]))
         raise _Caught
 
-    rows = rows[:MAX_ROWS]
+    rows = sorted(rows[:MAX_ROWS], key=len)  # batches of like lengths: less padding to run (the sums do not care)
     real = [torch.zeros(0, dtype=torch.bool)]
     handle = blocks[0].register_forward_pre_hook(catch, with_kwargs=True)
     was_training = model.training

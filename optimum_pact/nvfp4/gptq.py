@@ -32,10 +32,25 @@ LAZY_BLOCK = 32  # columns updated together (GPTQ's lazy batch update), a multip
 def _inverse_cholesky(h: torch.Tensor) -> torch.Tensor:
     """The upper Cholesky factor U of H^-1 (H^-1 = U^T U), which GPTQ's updates read, without forming H^-1: with J
     the reversal of rows and columns, J H J = L L^T gives H = R R^T for the upper R = J L J, so U = R^-1. One
-    factorization and one triangular solve, ~1.6x faster than factor, invert, factor at K = 2048 (the same factor
+    factorization and one triangular inverse, ~1.6x faster than factor, invert, factor at K = 2048 (the same factor
     to float rounding), and most of a 1.5B model's merge is these for its 8960-input down_proj layers."""
     upper = torch.linalg.cholesky(h.flip(0, 1)).flip(0, 1)
-    return torch.linalg.solve_triangular(upper, torch.eye(h.shape[0], dtype=h.dtype), upper=True)
+    return _upper_inverse(upper)
+
+
+def _upper_inverse(upper: torch.Tensor, leaf: int = 128) -> torch.Tensor:
+    """The inverse of an upper-triangular matrix, by halves: inv([[A, B], [0, C]]) = [[A^-1, -A^-1 B C^-1], [0, C^-1]].
+    A third of the arithmetic of solving against the identity, in matrix products (half the time at K = 1536, to
+    float rounding); triangular solves below `leaf` rows."""
+    n = upper.shape[0]
+    if n <= leaf:
+        return torch.linalg.solve_triangular(upper, torch.eye(n, dtype=upper.dtype), upper=True)
+    m = n // 2
+    first, last = _upper_inverse(upper[:m, :m], leaf), _upper_inverse(upper[m:, m:], leaf)
+    out = torch.zeros_like(upper)
+    out[:m, :m], out[m:, m:] = first, last
+    out[:m, m:] = -(first @ upper[:m, m:]) @ last
+    return out
 
 
 def gptq_quantize(
