@@ -148,9 +148,9 @@ def test_embeddings_f16_q8_0_f32_and_what_they_cost(nvfp4_folder, tmp_path):
         write_gguf(folder, tmp_path / "x.gguf", embeddings="bf16")
 
 
-def test_auto_types_a_separate_embedding_q4_1_and_16_bit_linears_q5_1_and_llama_cpp_runs_it(small_model, tmp_path):
+def test_auto_types_a_separate_embedding_q4_1_and_16_bit_linears_q8_0_and_llama_cpp_runs_it(small_model, tmp_path):
     """A model with its own output matrix and one linear kept 16-bit: each in its role's type, and llama.cpp's logits
-    on the file stay near PACT's on the folder (5-bit weights there: nearer than a wrong layout, not equal)."""
+    on the file stay near PACT's on the folder (4- and 8-bit weights there: nearer than a wrong layout, not equal)."""
     model = AutoModelForCausalLM.from_pretrained(small_model)
     model.config.tie_word_embeddings = False
     model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone() * 1.5)
@@ -164,7 +164,7 @@ def test_auto_types_a_separate_embedding_q4_1_and_16_bit_linears_q5_1_and_llama_
     out = write_gguf(tmp_path / "nvfp4", tmp_path / "auto.gguf")
     types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
     assert types["output.weight"] == "Q8_0" and types["token_embd.weight"] == "Q4_1"
-    assert types["blk.0.ffn_down.weight"] == "Q5_1" and types["blk.1.ffn_down.weight"] == "NVFP4"
+    assert types["blk.0.ffn_down.weight"] == "Q8_0" and types["blk.1.ffn_down.weight"] == "NVFP4"
     gap, agree = _largest_gap(tmp_path / "nvfp4", out)
     assert gap < 0.1 and agree >= 0.8, (gap, agree)
 
@@ -226,7 +226,7 @@ def test_q_and_k_rows_in_the_wrong_order_fail_the_check_above(nvfp4_folder, tmp_
 
 def test_a_16bit_linear_is_a_16bit_ggml_tensor_merged_exactly(small_model, tmp_path):
     """An adapter trained with some linears 16-bit: with --embeddings f16 the GGUF mixes NVFP4 and F16 (auto writes
-    them Q5_1, tested above), the 16-bit ones merged exactly."""
+    them Q8_0, tested above), the 16-bit ones merged exactly."""
     from peft import get_peft_model
 
     from peft_ext import PactConfig
@@ -274,8 +274,8 @@ def test_pact_export_gguf_merged_and_no_merge_and_llama_cpps_lora_refusal(small_
     unmerged = {t.name: t for t in gguf.GGUFReader(tmp_path / "base.gguf").tensors}
     linears = [name for name, t in unmerged.items() if t.tensor_type == NVFP4]
     rounded = [name for name in linears if merged[name].tensor_type == NVFP4]
-    kept = [name for name in linears if merged[name].tensor_type == gguf.GGMLQuantizationType.Q5_1]
-    # the size budget keeps the linears rounded worst 16-bit (Q5_1 in the file: --embeddings auto), and rounds the
+    kept = [name for name in linears if merged[name].tensor_type == gguf.GGMLQuantizationType.Q8_0]
+    # the size budget keeps the linears rounded worst 16-bit (Q8_0 in the file: --embeddings auto), and rounds the
     # rest with the change merged
     assert rounded and kept and len(rounded) + len(kept) == len(linears) == 14
     assert not any(np.array_equal(merged[name].data, unmerged[name].data) for name in rounded)

@@ -88,7 +88,7 @@ class ExportArguments:
         default="auto",
         metadata={
             "help": "gguf: the type of the embeddings, the output head and any 16-bit linear: auto (the output head "
-            "q8_0, a separate token embedding q4_1, 16-bit linears q5_1: each by its role, as Q4_K_M files do), or "
+            "q8_0, a separate token embedding q4_1, 16-bit linears q8_0: each by its role, as Q4_K_M files do), or "
             "f16, q8_0 (half of f16's size), f32 for all three.",
             "choices": list(EMBEDDINGS),
         },
