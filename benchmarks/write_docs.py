@@ -23,6 +23,7 @@ import bench_main_job  # noqa: E402  (its --table prints markdown_table)
 import personalization_report as report  # noqa: E402  (eval_personalization.py --table prints its markdown_table)
 import sweep_main_job  # noqa: E402  (its --table prints markdown_table)
 from docs_aqlora import aqlora_table  # noqa: E402
+from docs_gguf_types import gguf_types_table  # noqa: E402
 from docs_header import SECTIONS, header, plots, section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,11 +141,21 @@ def main_job_format(results: dict) -> str:
     return "\n".join(lines)
 
 
+AVX2_COMMAND = ("python benchmarks/bench_main_job.py --dtype float32 --seeds 0 1 2 3 4 --arms peft_lora,pact_finetune,"
+                "peft_lora_dup --output benchmarks/results/{}/results.json")  # fmt: skip
+
+
+@section(
+    "main_job_avx2_gguf_q8",
+    "The main job against stock peft, real AVX2-only CPU (fp32), five seeds: faster rounding, Q8_0 16-bit linears",
+    AVX2_COMMAND.format("main_job_avx2_gguf_q8"),
+    note="the section below's job and machine kind, a later sitting: its GPTQ rounding of the base ~10 s faster, "
+    "and the GGUF's linears kept 16-bit written Q8_0 (`--embeddings auto`; Q5_1 before)",
+)
 @section(
     "main_job_avx2_gptq",
     "The main job on its own GPTQ-rounded base against stock peft, real AVX2-only CPU (fp32), five seeds",
-    "python benchmarks/bench_main_job.py --dtype float32 --seeds 0 1 2 3 4 --arms peft_lora,pact_finetune,"
-    "peft_lora_dup --output benchmarks/results/main_job_avx2_gptq/results.json",
+    AVX2_COMMAND.format("main_job_avx2_gptq"),
     note="`pact finetune` with `--rounding gptq` (its default since this run): the base rounded by GPTQ on the "
     "training items before training, inside the whole command's time and not the training time; the same machine "
     "kind and command as the section below, a later sitting",
@@ -152,8 +163,7 @@ def main_job_format(results: dict) -> str:
 @section(
     "main_job_avx2_real",
     "The main job against stock peft on a real AVX2-only CPU (fp32), five seeds",
-    "python benchmarks/bench_main_job.py --dtype float32 --seeds 0 1 2 3 4 --arms peft_lora,pact_finetune,"
-    "peft_lora_dup --output benchmarks/results/main_job_avx2_real/results.json",
+    AVX2_COMMAND.format("main_job_avx2_real"),
     note="not an emulation: this AMD EPYC has AVX2 and no AVX-512 (lscpu's flags), so torch and PACT's kernel ran "
     "their AVX2 code as a laptop without AVX-512 does; seed 0 ran first, seeds 1-4 with --resume, each run alone",
 )
@@ -480,9 +490,6 @@ def phone_file(results: dict) -> str:
     ])  # fmt: skip
 
 
-OLD_AUTO = "16-bit linears Q5_1 (auto's earlier type for them; this run records no types)"
-
-
 @section(
     "gguf_types",
     "The phone file's types: `pact export --format gguf --embeddings ...`",
@@ -492,24 +499,7 @@ OLD_AUTO = "16-bit linears Q5_1 (auto's earlier type for them; this run records 
     "choice; untimed",
 )
 def gguf_types(results: dict) -> str:
-    choices = list(results["runs"][0]["files"])
-    lines = ["Each file's size, llama.cpp's held-out accuracy on the main job's notes and, where measured, the mean "
-             "KL of llama.cpp's next-token distributions from the merged model's (over the held-out notes), "
-             "beside the adapter's use path (`pact generate`'s model) and the GGUF the base came from:", "",
-             "| base | " + " | ".join(f"`{c}`" for c in choices) + " | use path | source GGUF |",
-             "|---" * (3 + len(choices)) + "|"]  # fmt: skip
-    for run in results["runs"]:
-        cells = " | ".join(f"{f['mb']:.1f} MB, {100 * f['accuracy']:.1f}%"
-                           + (f", KL {f['kl_from_merged']:.4f}" if "kl_from_merged" in f else "")
-                           for f in run["files"].values())  # fmt: skip
-        source = f"{run['source_gguf_mb']:.1f} MB" if run.get("source_gguf_mb") else "-"
-        lines.append(f"| {Path(run['base']).name} | {cells} | {100 * run['use_path_accuracy']:.1f}% | {source} |")
-    lines.append("")
-    for run in results["runs"]:
-        types = run["files"].get("auto", {}).get("types")
-        words = ", ".join(f"{role} {kind}" for role, kind in types.items()) if types else OLD_AUTO
-        lines.append(f"- {Path(run['base']).name} ({run['date']}, {run['cpu']}): `auto` wrote {words}")
-    return "\n".join(lines)
+    return gguf_types_table(results)
 
 
 AQLORA_COMMAND = (
