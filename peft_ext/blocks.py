@@ -43,7 +43,7 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def _block_linears(model: nn.Module) -> dict[str, nn.Module]:
+def block_linears(model: nn.Module) -> dict[str, nn.Module]:
     """Every linear-like module inside the decoder blocks (anything with in/out_features), by name; a peft LoRA
     layer counts as its base layer, under the LoRA layer's name; the adapters' own linears are left out."""
     from peft.tuners.tuners_utils import BaseTunerLayer
@@ -68,7 +68,7 @@ def decoder_linears(model: nn.Module) -> dict[str, nn.Linear]:
     (`lora_A`, `lora_B`) and everything outside the blocks (lm_head, embeddings) are left out. Raises ValueError
     when there is none, saying what was looked for and what was found instead.
     """
-    every = _block_linears(model)
+    every = block_linears(model)
     found = {name: module for name, module in every.items() if type(module) is nn.Linear}
     if not found:
         other = sorted({type(module).__name__ for module in every.values()})
@@ -89,7 +89,7 @@ def decoder_linears(model: nn.Module) -> dict[str, nn.Linear]:
 def linear_shapes(model: nn.Module, names: Sequence[str] = ()) -> dict[str, tuple[int, int]]:
     """(out_features, in_features) of every decoder linear, quantized or not; `names` not among them are a
     ValueError (they name layers to protect)."""
-    shapes = {name: (m.out_features, m.in_features) for name, m in _block_linears(model).items()}
+    shapes = {name: (m.out_features, m.in_features) for name, m in block_linears(model).items()}
     unknown = sorted(set(names) - set(shapes))
     if unknown:
         raise ValueError(f"protected names that are not decoder linears of this model: {unknown[:5]}.")

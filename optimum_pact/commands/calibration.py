@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from .data.generative import tokenize_generative
 from .finetune import load_data, tokenize_examples
+from .rounded_base import record_moments
 
 MAX_ROWS = 256  # training items the moments are taken over: a few thousand tokens, enough for GPTQ at this size
 
@@ -30,28 +31,14 @@ def input_hessians(
     model: nn.Module, layers: dict[str, nn.Module], rows: list[list[int]], batch_size: int = 16
 ) -> dict[str, torch.Tensor]:
     """`{name: sum of x x^T}` (fp32 [K, K]) over the inputs `x` each of `layers` sees while `model` runs `rows`
-    (`batch_size` at a time, padded on the right; the padding's positions are left out).
+    (`batch_size` at a time, padded on the right; the padding's positions are left out; `record_moments`).
     Layers that read the same tensor (q, k and v; gate and up) share one sum: the same object under each name."""
     sums: dict[str, torch.Tensor] = {}
     shared: dict[str, str] = {}  # a layer's name -> the layer whose sum it shares
-    last: list = [None, None]  # the input the previous layer read (held, so its memory is not reused) and that layer
-
-    def hook(name: str):
-        def record(module, args):
-            x = args[0]
-            if x is last[0]:  # the same tensor as the layer before: q, k, v or gate, up
-                shared[name] = last[1]
-                return
-            last[:] = [x, name]
-            flat = x.detach().reshape(-1, x.shape[-1])[real[0]].float()  # the batch's real tokens, not its padding
-            sums[name] = sums[name].addmm_(flat.T, flat) if name in sums else flat.T @ flat
-
-        return record
-
-    handles = [layer.register_forward_pre_hook(hook(name)) for name, layer in layers.items()]
+    real: list[torch.Tensor] = [torch.zeros(0, dtype=torch.bool)]  # which flattened positions of the batch are tokens
+    handles = record_moments(layers, sums, shared, real)
     device = next(model.parameters()).device
     was_training = model.training
-    real: list[torch.Tensor] = [torch.zeros(0, dtype=torch.bool)]  # which flattened positions of the batch are tokens
     model.eval()
     try:
         for start in tqdm(range(0, len(rows), batch_size), desc="calibrating the merge", unit="batch", leave=False):
@@ -61,7 +48,6 @@ def input_hessians(
             ids = torch.tensor([ids + [0] * (width - len(ids)) for ids in batch])  # padded on the right: causal
             real[0] = mask.reshape(-1).bool()  # attention keeps every real token from seeing the padding after it
             model(input_ids=ids.to(device), attention_mask=mask.to(device))
-            last[:] = [None, None]
     finally:
         for handle in handles:
             handle.remove()

@@ -47,11 +47,11 @@ def gptq_base(model: nn.Module, rows: list[list[int]], checkpoint: str | Path, b
     `MAX_ROWS`), block by block. A block whose linears are NVFP4 already (a base loaded packed) runs on their
     full-precision weights read from `checkpoint`'s safetensors, one block at a time: the moments are those of the
     full-precision model either way."""
-    from peft_ext.blocks import _block_linears, block_index, decoder_blocks
+    from peft_ext.blocks import block_index, block_linears, decoder_blocks
 
     from .model_folder import original_weights
 
-    every = _block_linears(model)
+    every = block_linears(model)
     linears = {name: layer for name, layer in every.items() if _rounded(layer)}
     blocks = decoder_blocks(model)
     caught: list[tuple[tuple, dict, torch.Tensor]] = []  # per batch: the first block's args, kwargs, real positions
@@ -137,28 +137,35 @@ def _path(model: nn.Module, module: nn.Module) -> str:
 
 
 def _block_moments(block, mine, args, kwargs, positions, sums, owner):
-    """Run `block` on one batch, adding `x^T x` over the real positions of each of `mine`'s inputs to `sums`; layers
-    reading the tensor the layer before read (q, k and v; gate and up) are recorded in `owner` and share its sum."""
-    last: list = [None, None]
-
-    def hook(name: str):
-        def record(module, hook_args):
-            x = hook_args[0]
-            if x is last[0]:
-                owner[name] = last[1]
-                return
-            last[:] = [x, name]
-            flat = x.detach().reshape(-1, x.shape[-1])[positions].float()
-            sums[name] = sums[name].addmm_(flat.T, flat) if name in sums else flat.T @ flat
-
-        return record
-
-    handles = [layer.register_forward_pre_hook(hook(name)) for name, layer in mine.items()]
+    """Run `block` on one batch, adding `x^T x` over the real positions of each of `mine`'s inputs to `sums`
+    (`record_moments`; layers sharing an input share a sum, recorded in `owner`)."""
+    handles = record_moments(mine, sums, owner, [positions])
     try:
         return block(*args, **kwargs)
     finally:
         for handle in handles:
             handle.remove()
+
+
+def record_moments(layers: dict[str, nn.Module], sums: dict, shared: dict, real: list[torch.Tensor]) -> list:
+    """Forward pre-hooks on `layers` (their handles) that add `x^T x` of each one's input `x` to `sums[name]`, over
+    the flattened positions `real[0]` marks (the batch's tokens, not its padding). A layer that reads the tensor the
+    layer before it read (q, k and v; gate and up) adds nothing and is entered in `shared` under that layer."""
+    last: list = [None, None]  # the input the previous layer read (held, so its memory is not reused) and that layer
+
+    def hook(name: str):
+        def record(module, args):
+            x = args[0]
+            if x is last[0]:
+                shared[name] = last[1]
+                return
+            last[:] = [x, name]
+            flat = x.detach().reshape(-1, x.shape[-1])[real[0]].float()
+            sums[name] = sums[name].addmm_(flat.T, flat) if name in sums else flat.T @ flat
+
+        return record
+
+    return [layer.register_forward_pre_hook(hook(name)) for name, layer in layers.items()]
 
 
 def save_codes(folder: Path, codes: dict[str, NVFP4Tensor]) -> None:
@@ -231,5 +238,5 @@ def apply_adapter_codes(model: nn.Module, adapter: str | Path) -> list[str]:
 
 __all__ = [
     "BASE_FILE", "MAX_ROWS", "ROUNDINGS", "apply_adapter_codes", "apply_codes", "base_codes_file", "frozen_linears",
-    "gptq_base", "read_codes", "save_codes",
+    "gptq_base", "read_codes", "record_moments", "save_codes",
 ]  # fmt: skip
