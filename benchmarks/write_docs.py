@@ -149,8 +149,9 @@ AVX2_COMMAND = ("python benchmarks/bench_main_job.py --dtype float32 --seeds 0 1
     "main_job_avx2_gguf_q8",
     "The main job against stock peft, real AVX2-only CPU (fp32), five seeds: faster rounding, Q8_0 16-bit linears",
     AVX2_COMMAND.format("main_job_avx2_gguf_q8"),
-    note="the section below's job and machine kind, a later sitting: its GPTQ rounding of the base ~10 s faster, "
-    "and the GGUF's linears kept 16-bit written Q8_0 (`--embeddings auto`; Q5_1 before)",
+    note="the section below's job and machine kind, a later sitting (stock peft's runs 18% slower than there): its "
+    "GPTQ rounding of the base ~10 s faster, the GGUF's linears kept 16-bit written Q8_0 (`--embeddings auto`; Q5_1 "
+    "before); as in the section below, training ran with glibc's mmap threshold left pinned by the rounding",
 )
 @section(
     "main_job_avx2_gptq",
