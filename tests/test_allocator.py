@@ -39,22 +39,6 @@ elif sys.argv[1] == "after_training":  # what `pact finetune` does once training
     from optimum_pact.memory import pinned_mmap_threshold
     after_training()
     pinned = pinned_mmap_threshold()
-elif sys.argv[1] == "released":
-    from optimum_pact.memory import pin_mmap_threshold, pinned_mmap_threshold, release_mmap_threshold
-    pin_mmap_threshold()
-    release_mmap_threshold()
-    pinned = pinned_mmap_threshold()
-elif sys.argv[1] == "rounded":  # `pact finetune --rounding gptq` rounds the base, then trains
-    from types import SimpleNamespace
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from optimum_pact.commands.finetune import round_base
-    from optimum_pact.memory import pinned_mmap_threshold
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1)
-    model = LlamaForCausalLM(config)
-    model.save_pretrained(sys.argv[2])
-    rows = [{"input_ids": list(range(1, 9))}, {"input_ids": list(range(9, 14))}]
-    pinned = [len(round_base(SimpleNamespace(rounding="gptq"), model, rows, sys.argv[2])), pinned_mmap_threshold()]
 elif sys.argv[1].startswith("trainer"):
     from trainer_callbacks import PactTrainer, PactTrainingArguments
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -91,18 +75,6 @@ def test_glibc_keeps_a_freed_large_tensor_in_its_heap_unless_the_threshold_is_pi
 def test_the_environment_setting_wins(tmp_path):
     probe = _probe("pin", tmp_path, {"MALLOC_MMAP_THRESHOLD_": str(32 << 20)})
     assert probe["pinned"] is False and probe["mapped_growth"] == 0  # the user's 32 MiB threshold stands
-
-
-def test_a_released_pin_takes_a_large_tensor_from_the_heap_again(tmp_path):
-    probe = _probe("released", tmp_path)
-    assert probe["pinned"] is None and probe["mapped_growth"] == 0
-
-
-def test_the_main_job_trains_unpinned_after_rounding_its_base(tmp_path):
-    probe = _probe("rounded", tmp_path)  # rounded pinned (its temporaries go back), then released for training
-    assert probe["pinned"] == [7, None] and probe["mapped_growth"] == 0
-    probe = _probe("rounded", tmp_path, {"MALLOC_MMAP_THRESHOLD_": str(4 << 20)})  # the user's setting stands
-    assert probe["pinned"] == [7, 4 << 20] and probe["mapped_growth"] >= 8 << 20
 
 
 def test_pact_trainer_pins_the_threshold_only_when_asked(tmp_path):

@@ -26,7 +26,7 @@ from trainer_callbacks.trainer import attention_implementation, supports_padding
 from ..dataflow import FrozenLinear
 from ..errors import NoSpaceError, OptionError
 from ..files import free_bytes, is_disk_full, write_text_atomic
-from ..memory import pin_mmap_threshold, pinned_mmap_threshold, release_mmap_threshold, trim_heap
+from ..memory import pin_mmap_threshold, pinned_mmap_threshold, trim_heap
 from ..precision import resolve_dtype
 from .arguments import FinetuneRun
 from .data import format_example, load_personal_dataset
@@ -241,14 +241,11 @@ def round_base(job, base, rows: list[dict], checkpoint: str) -> dict:
         )
     if job.rounding == "nearest":
         return {}
-    # GPTQ's 1-40 MiB temporaries go back to the system when freed, not to the heap; training then runs unpinned
-    # (a 4 MiB pin made its steps 1.1-1.4x as long), unless the user pinned it (--pact_mmap_threshold)
-    pinned_here = not pinned_mmap_threshold() and pin_mmap_threshold()
+    if not pinned_mmap_threshold():  # GPTQ's 1-40 MiB temporaries go back to the system when freed, not to the heap
+        pin_mmap_threshold()
     codes = gptq_base(base, [row["input_ids"] for row in rows], checkpoint)
     apply_codes(base, codes)
     trim_heap()
-    if pinned_here:
-        release_mmap_threshold()
     _say(f"GPTQ: {len(codes)} NVFP4 linears rounded on {min(len(rows), MAX_ROWS)} training items")
     return codes
 

@@ -12,7 +12,6 @@ from .allocator import (
     check_mmap_threshold,
     pin_mmap_threshold,
     pinned_mmap_threshold,
-    release_mmap_threshold,
     resident_bytes,
     trim_heap,
 )
@@ -50,7 +49,6 @@ __all__ = [
     "module_tensors",
     "pin_mmap_threshold",
     "pinned_mmap_threshold",
-    "release_mmap_threshold",
     "trim_heap",
     "HeapTrimmer",
     "resident_bytes",

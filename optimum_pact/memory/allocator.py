@@ -30,8 +30,7 @@ import os
 logger = logging.getLogger(__name__)
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
-M_TRIM_THRESHOLD = -1  # malloc.h
-M_MMAP_THRESHOLD = -3
+M_MMAP_THRESHOLD = -3  # malloc.h
 DEFAULT_MMAP_THRESHOLD = 4 * 2**20
 MAX_MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's ceiling on 64-bit (HEAP_MAX_SIZE / 2); mallopt refuses more
 _pinned: int | None = None  # what pin_mmap_threshold set in this process
@@ -70,27 +69,6 @@ def pin_mmap_threshold(nbytes: int = DEFAULT_MMAP_THRESHOLD) -> bool:
     global _pinned
     _pinned = nbytes
     logger.info("optimum_pact: glibc mmap threshold pinned at %d bytes", nbytes)
-    return True
-
-
-def release_mmap_threshold() -> bool:
-    """Undo `pin_mmap_threshold` as far as glibc allows, for work that is faster unpinned (training: a 4 MiB pin made
-    the step 1.1-1.4x as long). glibc has no way back to its raising policy once a threshold is set, so the
-    threshold goes where that policy takes a training step, its ceiling (32 MiB), and the trim threshold to twice
-    that, as the policy sets them. True where done; False where the environment sets MALLOC_MMAP_THRESHOLD_ (which
-    wins) or the C library is not glibc."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
-        return False
-    libc = _glibc()
-    if libc is None:
-        return False
-    if (
-        libc.mallopt(M_MMAP_THRESHOLD, MAX_MMAP_THRESHOLD) != 1
-        or libc.mallopt(M_TRIM_THRESHOLD, 2 * MAX_MMAP_THRESHOLD) != 1
-    ):
-        raise RuntimeError("glibc's mallopt refused its own ceiling for the mmap and trim thresholds")
-    global _pinned
-    _pinned = None
     return True
 
 
