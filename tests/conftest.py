@@ -1,4 +1,5 @@
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -136,3 +137,23 @@ def main_job(tmp_path_factory):
     out = tmp_path_factory.mktemp("main_job") / "run"
     command = [sys.executable, "-m", "optimum_pact.commands.cli", "finetune", "--output", str(out)]
     return out, subprocess.run(command, capture_output=True, text=True, timeout=1800)
+
+
+@pytest.fixture(scope="session")
+def main_job_merged(main_job, tmp_path_factory):
+    """The main job's adapter merged as `pact export --format nvfp4-merged` merges it by default (GPTQ of the trained
+    weights, its size budget), once for the tests that use it: (folder, report, the warnings it logged)."""
+    from optimum_pact.commands.nvfp4_merge import export_nvfp4_merged
+
+    out, proc = main_job
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    folder = tmp_path_factory.mktemp("main_job_merged") / "merged"
+    warnings: list[logging.LogRecord] = []
+    catch = logging.Handler(logging.WARNING)
+    catch.emit = warnings.append
+    logging.getLogger().addHandler(catch)
+    try:
+        report = export_nvfp4_merged(out / "adapter", folder)
+    finally:
+        logging.getLogger().removeHandler(catch)
+    return folder, report, [record.getMessage() for record in warnings]

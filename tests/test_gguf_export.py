@@ -347,20 +347,18 @@ PROMPTS = ["What should I pack for a weekend hiking trip?", "Write a short note 
 
 
 @pytest.mark.slow
-def test_llama_cpp_scores_and_generates_as_pacts_merged_model(main_job, tmp_path):
+def test_llama_cpp_scores_and_generates_as_pacts_merged_model(main_job_merged, tmp_path):
     pytest.importorskip("llama_cpp", reason="needs llama-cpp-python (optimum-pact[llama])")
-    out, proc = main_job
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = export_nvfp4_merged(out / "adapter", tmp_path / "merged")  # what --format gguf merges, scored
+    folder, report, _ = main_job_merged  # what --format gguf merges, scored
     # f16: the file holds the merged model's own values, so this measures llama.cpp against PACT; what the default
     # types (--embeddings auto) cost on top is benchmarks/bench_gguf_types.py's figure
-    model_file = write_gguf(tmp_path / "merged", tmp_path / "me.gguf", embeddings="f16")
-    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "merged")
+    model_file = write_gguf(folder, tmp_path / "me.gguf", embeddings="f16")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
     train, heldout = load_personal_dataset()
     labels = sorted({item["label"] for item in train + heldout})
     accuracy = llama_cpp_accuracy(model_file, tokenizer, heldout, labels, n_threads=2)
 
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")  # PACT's merged model, as transformers runs it
+    merged = AutoModelForCausalLM.from_pretrained(folder)  # PACT's merged model, as transformers runs it
     llm = _llama(model_file, n_ctx=512)
     gaps = []
     try:
